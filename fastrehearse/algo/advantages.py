@@ -1,0 +1,156 @@
+"""Role-wise GRPO advantages (plain torch).
+
+World rehearsal trains one model in two roles, so each role gets its own baseline. For a task group
+g (the episodes of one task id sampled in this step) and a role r in {ACT, REHEARSE}:
+
+    R_i^r = role_rewards[r] if episode i overrides role r, else reward_i
+    b_i^r = mean_j R_j^r                        (default: the GRPO group mean)
+          = mean_{j != i} R_j^r                 (leave_one_out: the RLOO baseline)
+    A_i^r = R_i^r - b_i^r
+    A_i^r = A_i^r / (std_j R_j^r + eps)         (std_normalize; off by default, as in the paper's
+                                                 code and Dr. GRPO: it up-weights near-solved groups)
+
+`std` is the unbiased sample std (torch.std, as verl). A group of one episode has no baseline and
+gets advantage 0 (no learning signal; verl would use the raw reward there).
+
+Per-token broadcast: every token of episode i whose own role is r gets A_i^r (Episode.advantages
+is aligned with Episode.input_ids; packing shifts by one to the target). CONTEXT and OBSERVED tokens
+get 0 (OBSERVED is trained by supervised CE, not by advantage).
+
+Turn-level rewards (optional): Episode.metadata["turn_rewards"] = [(start, end, reward), ...] token
+spans [start, end) of one role each. Each span's reward is centred (and optionally std-normalized)
+against all turn rewards of the same (group, role) -- pooled over turns, leave-one-out excluding the
+episode's own spans when enabled -- and added, times `turn_reward_coef`, to the tokens of that span.
+
+Groups never cross data-parallel ranks: the trainer generates all samples of a task on one rank, so
+this computation is local and needs no communication.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from fastrehearse.data import Episode
+from fastrehearse.kernels.roles import Role
+
+RL_ROLES = (Role.ACT, Role.REHEARSE)
+
+
+@dataclass
+class AdvantageConfig:
+    std_normalize: bool = False
+    leave_one_out: bool = False
+    eps: float = 1e-6
+    turn_reward_coef: float = 1.0
+
+
+@dataclass
+class AdvantageStats:
+    """What the trainer logs about one step's advantages."""
+    num_groups: int = 0
+    # Groups whose rewards for a role are all equal carry no signal for that role.
+    zero_std_frac: dict[str, float] = field(default_factory=dict)
+    mean_reward: dict[str, float] = field(default_factory=dict)
+    mean_abs_adv: dict[str, float] = field(default_factory=dict)
+
+
+def group_advantages(rewards: torch.Tensor, *, std_normalize: bool = False,
+                     leave_one_out: bool = False, eps: float = 1e-6) -> torch.Tensor:
+    """Advantages of the episodes of ONE group for ONE role. rewards: [G] -> [G] float64."""
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards must be 1-D, got shape {tuple(rewards.shape)}")
+    r = rewards.to(torch.float64)
+    g = r.numel()
+    if not torch.isfinite(r).all():
+        raise ValueError(f"rewards contain a non-finite value: {r.tolist()}")
+    if g <= 1:
+        return torch.zeros_like(r)
+    if leave_one_out:
+        baseline = (r.sum() - r) / (g - 1)
+    else:
+        baseline = r.mean().expand(g)
+    adv = r - baseline
+    if std_normalize:
+        adv = adv / (r.std() + eps)
+    return adv
+
+
+def _role_reward(ep: Episode, role: Role) -> float:
+    # role_rewards may be keyed by int or Role (both hash equal) or, after JSON, by str.
+    for key in (int(role), str(int(role))):
+        if key in ep.role_rewards:
+            return float(ep.role_rewards[key])
+    return float(ep.reward)
+
+
+def _turn_spans(ep: Episode) -> list[tuple[int, int, float, int]]:
+    """Validated (start, end, reward, role) spans from metadata["turn_rewards"]."""
+    spans = []
+    for item in ep.metadata.get("turn_rewards", ()) or ():
+        start, end, reward = int(item[0]), int(item[1]), float(item[2])
+        if not 0 <= start < end <= len(ep):
+            raise ValueError(f"Episode(task_id={ep.task_id!r}): turn_rewards span ({start}, {end}) "
+                             f"outside [0, {len(ep)})")
+        span_roles = set(int(r) for r in ep.roles[start:end])
+        if len(span_roles) != 1:
+            raise ValueError(f"Episode(task_id={ep.task_id!r}): turn_rewards span ({start}, {end}) "
+                             f"mixes roles {sorted(span_roles)}; a turn has one role")
+        spans.append((start, end, reward, span_roles.pop()))
+    return spans
+
+
+def compute_advantages(episodes: list[Episode], config: AdvantageConfig | None = None,
+                       roles: tuple[Role, ...] = RL_ROLES) -> AdvantageStats:
+    """Fill `ep.advantages` (one float per token) for every episode, in place; return stats."""
+    cfg = config or AdvantageConfig()
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, ep in enumerate(episodes):
+        groups[ep.task_id].append(i)
+
+    per_token = [torch.zeros(len(ep), dtype=torch.float64) for ep in episodes]
+    role_t = [torch.as_tensor(ep.roles, dtype=torch.int64) for ep in episodes]
+    stats = AdvantageStats(num_groups=len(groups))
+    zero_std = defaultdict(int)
+    abs_adv = defaultdict(list)
+    all_r = defaultdict(list)
+
+    for idx in groups.values():
+        for role in roles:
+            rewards = torch.tensor([_role_reward(episodes[i], role) for i in idx], dtype=torch.float64)
+            adv = group_advantages(rewards, std_normalize=cfg.std_normalize,
+                                   leave_one_out=cfg.leave_one_out, eps=cfg.eps)
+            zero_std[role.name] += int(len(idx) > 1 and bool((rewards == rewards[0]).all()))
+            all_r[role.name] += rewards.tolist()
+            for a, i in zip(adv.tolist(), idx):
+                per_token[i][role_t[i] == int(role)] = a
+                abs_adv[role.name].append(abs(a))
+        _add_turn_advantages(episodes, idx, per_token, cfg, roles)
+
+    for i, ep in enumerate(episodes):
+        ep.advantages = per_token[i].tolist()
+    n = max(len(groups), 1)
+    for role in roles:
+        stats.zero_std_frac[role.name] = zero_std[role.name] / n
+        stats.mean_reward[role.name] = sum(all_r[role.name]) / max(len(all_r[role.name]), 1)
+        stats.mean_abs_adv[role.name] = sum(abs_adv[role.name]) / max(len(abs_adv[role.name]), 1)
+    return stats
+
+
+def _add_turn_advantages(episodes, idx, per_token, cfg: AdvantageConfig, roles) -> None:
+    spans = {i: _turn_spans(episodes[i]) for i in idx}
+    for role in roles:
+        pool = [(i, s) for i in idx for s in spans[i] if s[3] == int(role)]
+        if len(pool) <= 1:
+            continue
+        r = torch.tensor([s[2] for _, s in pool], dtype=torch.float64)
+        owners = torch.tensor([i for i, _ in pool])
+        for k, (i, (start, end, reward, _)) in enumerate(pool):
+            others = r[owners != i] if cfg.leave_one_out else r
+            if others.numel() == 0:
+                continue
+            a = reward - others.mean().item()
+            if cfg.std_normalize:
+                a = a / (r.std().item() + cfg.eps)
+            per_token[i][start:end] += cfg.turn_reward_coef * a

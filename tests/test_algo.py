@@ -1,0 +1,167 @@
+"""Role-wise GRPO advantages and aggregation weights, against hand-computed values."""
+import math
+
+import pytest
+import torch
+
+from fastrehearse.algo import (AdvantageConfig, compute_advantages, group_advantages, local_counts,
+                               token_weights)
+from fastrehearse.data import Episode
+from fastrehearse.kernels.roles import Role
+
+C, A, R, O = int(Role.CONTEXT), int(Role.ACT), int(Role.REHEARSE), int(Role.OBSERVED)
+ROLES = [C, C, A, A, R, O, A]   # one token of each kind, ACT split around a rehearsed turn
+
+
+def _ep(task, reward, role_rewards=None, roles=ROLES, **meta):
+    return Episode(input_ids=list(range(len(roles))), roles=list(roles), task_id=task, reward=reward,
+                   role_rewards=role_rewards or {}, metadata=meta)
+
+
+def _group():
+    # group "a": ACT rewards [1, 0, 0.5]; REHEARSE rewards [0.2 (override), 0, 0.5]
+    # group "b": identical rewards -> no signal
+    return [_ep("a", 1.0, {R: 0.2}), _ep("a", 0.0), _ep("b", 1.0), _ep("a", 0.5), _ep("b", 1.0)]
+
+
+def _check_tokens(ep, act, reh):
+    want = [0, 0, act, act, reh, 0, act]
+    assert ep.advantages == pytest.approx(want, abs=1e-12)
+
+
+def test_group_mean_baseline_per_role_hand_computed():
+    eps = _group()
+    stats = compute_advantages(eps)
+    # ACT: mean 0.5 -> [0.5, -0.5, 0]; REHEARSE: mean 0.7/3 -> [0.2-0.7/3, -0.7/3, 0.5-0.7/3]
+    _check_tokens(eps[0], 0.5, 0.2 - 0.7 / 3)
+    _check_tokens(eps[1], -0.5, -0.7 / 3)
+    _check_tokens(eps[3], 0.0, 0.5 - 0.7 / 3)
+    _check_tokens(eps[2], 0.0, 0.0)
+    _check_tokens(eps[4], 0.0, 0.0)
+    assert stats.num_groups == 2
+    assert stats.zero_std_frac == {"ACT": 0.5, "REHEARSE": 0.5}
+
+
+def test_std_normalization_hand_computed():
+    eps = _group()
+    compute_advantages(eps, AdvantageConfig(std_normalize=True, eps=0.0))
+    # ACT rewards [1, 0, 0.5]: unbiased std = sqrt((0.25 + 0.25 + 0) / 2) = 0.5
+    m = 0.7 / 3
+    s = math.sqrt(((0.2 - m) ** 2 + m ** 2 + (0.5 - m) ** 2) / 2)   # REHEARSE [0.2, 0, 0.5]
+    _check_tokens(eps[0], 1.0, (0.2 - m) / s)
+    _check_tokens(eps[1], -1.0, -m / s)
+    _check_tokens(eps[3], 0.0, (0.5 - m) / s)
+    # zero-variance group: 0 / (0 + eps) stays 0, never NaN
+    eps2 = _group()
+    compute_advantages(eps2, AdvantageConfig(std_normalize=True))
+    assert eps2[2].advantages == [0.0] * len(ROLES)
+
+
+def test_leave_one_out_hand_computed():
+    eps = _group()
+    compute_advantages(eps, AdvantageConfig(leave_one_out=True))
+    # ACT baselines: mean of the others = [0.25, 0.75, 0.5] -> [0.75, -0.75, 0.0]
+    # REHEARSE [0.2, 0, 0.5]: baselines [0.25, 0.35, 0.1] -> [-0.05, -0.35, 0.4]
+    _check_tokens(eps[0], 0.75, -0.05)
+    _check_tokens(eps[1], -0.75, -0.35)
+    _check_tokens(eps[3], 0.0, 0.4)
+
+
+def test_singleton_group_gets_zero_and_rejects_nonfinite():
+    assert group_advantages(torch.tensor([0.7])).tolist() == [0.0]
+    with pytest.raises(ValueError, match="non-finite"):
+        group_advantages(torch.tensor([1.0, float("nan")]))
+
+
+def test_turn_level_rewards_added_to_their_span():
+    roles = [C, A, A, R, R, A, A]
+    e0 = _ep("t", 1.0, roles=roles, turn_rewards=[(1, 3, 1.0), (5, 7, 0.0)])
+    e1 = _ep("t", 0.0, roles=roles, turn_rewards=[(1, 3, 0.0), (5, 7, 1.0)])
+    compute_advantages([e0, e1], AdvantageConfig(turn_reward_coef=0.5))
+    # episode ACT advantage: +-0.5; turn rewards pooled per (group, ACT): mean 0.5, so each span
+    # gets 0.5 * (r - 0.5) = +-0.25; REHEARSE tokens (no turn reward) keep the episode's +-0.5
+    assert e0.advantages == pytest.approx([0, 0.75, 0.75, 0.5, 0.5, 0.25, 0.25])
+    assert e1.advantages == pytest.approx([0, -0.75, -0.75, -0.5, -0.5, -0.25, -0.25])
+    bad = _ep("t", 1.0, roles=roles, turn_rewards=[(2, 4, 1.0)])
+    with pytest.raises(ValueError, match="mixes roles"):
+        compute_advantages([bad])
+
+
+class _B:
+    def __init__(self, roles, seq_ids):
+        self.roles, self.seq_ids = torch.tensor(roles), torch.tensor(seq_ids)
+
+
+def _batches():
+    # seq 0 in batch 0: ACT x2, REHEARSE x1; batch 1: seq 1 ACT x2, seq 2 ACT x3 + OBSERVED x1
+    return [_B([C, A, A, R, C], [0, 0, 0, 0, 0]),
+            _B([A, C, A, A, A, A, O, C], [1, 1, 1, 2, 2, 2, 2, 2])]
+
+
+def test_local_counts():
+    counts = local_counts(_batches())
+    assert counts[0].tolist() == [4, 7, 1, 1]      # tokens per role
+    assert counts[1].tolist() == [0, 3, 1, 1]      # episodes having the role
+
+
+@pytest.mark.parametrize("mode,act_w,reh_w,obs_w", [
+    ("token-mean", [1 / 7] * 2 + [1 / 7] * 2 + [1 / 7] * 3, 1.0, 1.0),
+    ("seq-mean-token-mean", [1 / 6] * 2 + [1 / 6] * 2 + [1 / 9] * 3, 1.0, 1.0),
+    ("seq-mean-token-sum-norm", [1 / 12] * 7, 1 / 4, 1 / 4),
+])
+def test_aggregation_weights_hand_computed(mode, act_w, reh_w, obs_w):
+    bs = _batches()
+    w = token_weights(bs, mode, local_counts(bs), norm_len=4)
+    assert w[0].tolist() == pytest.approx([0, act_w[0], act_w[1], reh_w, 0])
+    assert w[1].tolist() == pytest.approx([act_w[2], 0, act_w[3]] + act_w[4:] + [obs_w, 0])
+
+
+def _reference_loss(mode, losses, roles, seqs, norm_len):
+    """The aggregation formulas written directly, float64, on the full (unsplit) batch."""
+    total = 0.0
+    for r in (A, R, O):
+        sel = [i for i, x in enumerate(roles) if x == r]
+        if not sel:
+            continue
+        if mode == "token-mean":
+            total += sum(losses[i] for i in sel) / len(sel)
+            continue
+        by_seq = {}
+        for i in sel:
+            by_seq.setdefault(seqs[i], []).append(losses[i])
+        if mode == "seq-mean-token-mean":
+            total += sum(sum(v) / len(v) for v in by_seq.values()) / len(by_seq)
+        else:
+            total += sum(sum(v) / norm_len for v in by_seq.values()) / len(by_seq)
+    return total
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_split_into_micro_batches_and_ranks_matches_full_batch(mode):
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(1, 30, (9,), generator=g).tolist()
+    roles = [torch.randint(0, 4, (n,), generator=g).tolist() for n in lens]
+    losses = [torch.randn(n, generator=g, dtype=torch.float64).tolist() for n in lens]
+    flat_r = sum(roles, [])
+    flat_s = sum([[i] * n for i, n in enumerate(lens)], [])
+    flat_l = sum(losses, [])
+    want = _reference_loss(mode, flat_l, flat_r, flat_s, 50.0)
+    # Two "ranks", each with two micro-batches of whole episodes.
+    ranks = [[[0, 3], [5]], [[1, 2, 8], [4, 6, 7]]]
+    per_rank = [[_B(sum((roles[i] for i in mb), []), sum(([i] * lens[i] for i in mb), []))
+                 for mb in rank] for rank in ranks]
+    global_counts = sum(local_counts(bs) for bs in per_rank)
+    got = 0.0
+    for rank, bs in zip(ranks, per_rank):
+        ws = token_weights(bs, mode, global_counts, norm_len=50.0)
+        for mb, w in zip(rank, ws):
+            l = torch.tensor(sum((losses[i] for i in mb), []), dtype=torch.float64)
+            got += float((w.double() * l).sum())
+    assert math.isclose(got, want, rel_tol=1e-6)
+
+
+def test_aggregation_errors():
+    with pytest.raises(ValueError, match="aggregation='mean'"):
+        token_weights(_batches(), "mean", local_counts(_batches()))
+    with pytest.raises(ValueError, match="norm_len"):
+        token_weights(_batches(), "seq-mean-token-sum-norm", local_counts(_batches()))
