@@ -1,0 +1,160 @@
+"""Shared plumbing of the fused kernels: input checks, backend choice, chunk sizing, fp32 GEMMs.
+
+Nothing here knows about losses; `linear_logprobs.py` and `policy_loss.py` build on it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BACKENDS = ("auto", "torch", "triton")
+
+# Bytes of fp32 logits one chunk may hold. The torch backend keeps ~3 chunk-sized temporaries
+# alive at once (logits, shifted logits, exp), the Triton backend ~2 (logits, dlogits), so the
+# real peak is a small multiple of this. GPU: large enough that the chunk GEMM saturates the
+# device; CPU: small enough to stay well under the naive N x V footprint.
+CHUNK_BYTES_CUDA = 256 << 20
+CHUNK_BYTES_CPU = 32 << 20
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Triton kernels run on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1."""
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and not triton_usable(device):
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 for CPU tensors "
+            f"(got device {device}); use backend='torch' or 'auto'")
+    return backend
+
+
+def chunk_rows(n: int, v: int, device: torch.device, chunk_size: int | None = None) -> int:
+    """Rows per chunk so that one fp32 [rows, V] logits block stays within the byte budget."""
+    if chunk_size is not None:
+        if int(chunk_size) < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        return int(chunk_size)
+    budget = CHUNK_BYTES_CUDA if device.type == "cuda" else CHUNK_BYTES_CPU
+    rows = max(1, budget // (4 * max(v, 1)))
+    if rows >= 64:
+        rows -= rows % 64  # GEMM-friendly row counts
+    return max(1, min(rows, max(n, 1)))
+
+
+def _is_dtensor(t) -> bool:
+    return any(c.__name__ == "DTensor" for c in type(t).__mro__)
+
+
+def check_linear_inputs(hidden, weight, targets, mask=None, *, mask_name="mask"):
+    """Validate the (hidden, weight, targets, mask) quadruple shared by every kernel entry point."""
+    if _is_dtensor(weight) or _is_dtensor(hidden):
+        raise ValueError(
+            "weight/hidden is a DTensor: call the kernel where the LM-head weight is unsharded "
+            "(e.g. inside the FSDP root module's forward) or pass weight.full_tensor()")
+    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be 2-D [N, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
+    if hidden.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"hidden dtype must be float32/bfloat16/float16, got {hidden.dtype}")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} does not match hidden dtype {hidden.dtype}")
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"weight shape {tuple(weight.shape)} does not match hidden size H={hidden.shape[1]}")
+    if weight.shape[0] < 1:
+        raise ValueError("weight must have at least one row (vocabulary size V >= 1)")
+    if weight.device != hidden.device:
+        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
+    n = hidden.shape[0]
+    if targets.dim() != 1 or targets.shape[0] != n:
+        raise ValueError(f"targets must have shape [N]=[{n}], got {tuple(targets.shape)}")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"targets dtype must be int64 (or int32), got {targets.dtype}")
+    if targets.device != hidden.device:
+        raise ValueError(f"targets is on {targets.device} but hidden is on {hidden.device}")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise ValueError(f"{mask_name} must be a torch.Tensor or None")
+        if mask.dim() != 1 or mask.shape[0] != n:
+            raise ValueError(f"{mask_name} must have shape [N]=[{n}], got {tuple(mask.shape)}")
+        if mask.device != hidden.device:
+            raise ValueError(f"{mask_name} is on {mask.device} but hidden is on {hidden.device}")
+
+
+def check_targets(targets_c: torch.Tensor, rows: torch.Tensor | None, vocab: int) -> None:
+    """Raise ValueError naming the first loss-bearing position whose target is outside [0, V).
+
+    One reduction + one host sync for the whole call (not per chunk); the position is only
+    looked up on the error path.
+    """
+    if targets_c.numel() == 0:
+        return
+    bad = (targets_c < 0) | (targets_c >= vocab)
+    if bool(bad.any()):
+        k = int(bad.nonzero()[0, 0])
+        pos = int(rows[k]) if rows is not None else k
+        raise ValueError(
+            f"targets[{pos}] = {int(targets_c[k])} is outside the vocabulary [0, {vocab}) "
+            f"at an unmasked position")
+
+
+def check_temperature(temperature) -> float:
+    t = float(temperature)
+    if not (t > 0.0) or t == float("inf"):
+        raise ValueError(f"temperature must be a finite positive number, got {temperature}")
+    return t
+
+
+# ---- GEMMs with fp32 results -------------------------------------------------------------------
+# Low-precision inputs: the GEMM accumulates in fp32 inside cuBLAS; `out_dtype=float32` (torch
+# >= 2.9 on CUDA) keeps the result in fp32 instead of rounding the logits / dW partials to bf16.
+_OUT_DTYPE_OK: dict[str, bool] = {}
+
+
+def _try_out_dtype(fn, *args, **kw):
+    key = fn.__name__
+    if _OUT_DTYPE_OK.get(key, True):
+        try:
+            return fn(*args, out_dtype=torch.float32, **kw)
+        except (TypeError, RuntimeError, NotImplementedError):
+            _OUT_DTYPE_OK[key] = False
+    return None
+
+
+def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with an fp32 result (a, b of the same dtype)."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b)
+    if a.is_cuda:
+        out = _try_out_dtype(torch.mm, a, b)
+        if out is not None:
+            return out
+        return torch.mm(a, b).float()
+    return torch.mm(a.float(), b.float())  # CPU bf16/fp16: correctness over speed
+
+
+def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b with acc fp32 (the cross-chunk dW accumulator)."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+        return
+    if a.is_cuda:
+        if _try_out_dtype(torch.addmm, acc, a, b, out=acc) is not None:
+            return
+        acc.add_(torch.mm(a, b))
+        return
+    acc.addmm_(a.float(), b.float())

@@ -1,0 +1,157 @@
+"""Fused LM-head projection + log-prob (+ entropy) of the target tokens, without N x V logits.
+
+    logp[i] = log_softmax(hidden[i] @ weight.T / T)[targets[i]]
+    ent[i]  = -sum_j p_ij log p_ij                               (when with_entropy)
+
+Algorithm (see docs/kernels.md):
+1. compact: only rows with mask[i] = True enter the projection (masked rows cost nothing);
+2. chunk the compacted rows so one fp32 [C, V] logits block fits a byte budget;
+   forward per chunk: Z = X_c W^T (GEMM, fp32 result) -> row stats (lse, logp, entropy);
+3. backward per chunk: recompute Z, overwrite it with dZ = dL/dZ (row kernel), then
+   dX_c = dZ W and dW += dZ^T X_c into an fp32 accumulator.
+Forward 2NHV FLOPs, backward 6NHV (recompute + two GEMMs): upstream gradients are arbitrary, so
+dZ cannot be formed in the forward. `linear_policy_loss` knows its gradient early and does 6NHV.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._common import (addmm_f32_, check_linear_inputs, check_targets, check_temperature,
+                      chunk_rows, mm_f32, resolve_backend)
+from ._rows import row_grad, row_stats
+
+__all__ = ["linear_logprobs"]
+
+
+def _grad_dtype(w: torch.Tensor) -> torch.dtype:
+    # dZ feeds the dX / dW GEMMs: keep it in the weight's dtype on CUDA (tensor cores);
+    # on CPU mm_f32 upcasts anyway, so fp32 avoids a rounding step.
+    return w.dtype if w.is_cuda else torch.float32
+
+
+def chunked_backward(x, w, t, lse, ent, g1, g2, inv_temp, backend, chunk, need_dx, need_dw):
+    """Shared backward sweep: returns (dX in x.dtype or None, dW fp32 or None).
+
+    g1 = dL/dlogp [n] fp32 or None, g2 = dL/dH [n] fp32 or None (not both None).
+    """
+    n = x.shape[0]
+    dx = torch.empty_like(x) if need_dx else None
+    dw = torch.zeros(w.shape, device=w.device, dtype=torch.float32) if need_dw else None
+    gdt = _grad_dtype(w)
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        x_c = x[s:e]
+        z = mm_f32(x_c, w.t())
+        out = z if gdt == torch.float32 else torch.empty(z.shape, device=z.device, dtype=gdt)
+        dz = row_grad(z, t[s:e], lse[s:e], None if ent is None else ent[s:e],
+                      None if g1 is None else g1[s:e], None if g2 is None else g2[s:e],
+                      inv_temp, backend, out=out)
+        del z
+        if need_dx:
+            if dz.dtype == w.dtype:
+                torch.mm(dz, w, out=dx[s:e])
+            else:  # CPU with low-precision weights: fp32 GEMM, rounded once into dx
+                dx[s:e] = torch.mm(dz, w.float())
+        if need_dw:
+            addmm_f32_(dw, dz.t(), x_c if dz.dtype == x_c.dtype else x_c.to(dz.dtype))
+    return dx, dw
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """Compacted rows in, per-row (logp, entropy) out. Entropy output is empty when unused."""
+
+    @staticmethod
+    def forward(ctx, x, w, t, inv_temp, with_entropy, backend, chunk):
+        n = x.shape[0]
+        logp = torch.empty(n, device=x.device, dtype=torch.float32)
+        lse = torch.empty_like(logp)
+        ent = torch.empty(n if with_entropy else 0, device=x.device, dtype=torch.float32)
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            z = mm_f32(x[s:e], w.t())
+            lp, h, l = row_stats(z, t[s:e], inv_temp, with_entropy, backend)
+            logp[s:e] = lp
+            lse[s:e] = l
+            if with_entropy:
+                ent[s:e] = h
+            del z
+        ctx.save_for_backward(x, w, t, lse, ent)
+        ctx.cfg = (inv_temp, with_entropy, backend, chunk)
+        ctx.set_materialize_grads(False)
+        if not with_entropy:
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        x, w, t, lse, ent = ctx.saved_tensors
+        inv_temp, with_entropy, backend, chunk = ctx.cfg
+        if not with_entropy:
+            g_ent = None
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if (g_logp is None and g_ent is None) or not (need_dx or need_dw) or x.shape[0] == 0:
+            dx = torch.zeros_like(x) if need_dx else None
+            dw = torch.zeros_like(w) if need_dw else None
+            return dx, dw, None, None, None, None, None
+        g1 = None if g_logp is None else g_logp.float().contiguous()
+        g2 = None if g_ent is None else g_ent.float().contiguous()
+        dx, dw = chunked_backward(x, w, t, lse, ent if with_entropy else None, g1, g2, inv_temp,
+                                  backend, chunk, need_dx, need_dw)
+        return dx, (dw.to(w.dtype) if dw is not None else None), None, None, None, None, None
+
+
+def compact_rows(mask: torch.Tensor | None, n: int):
+    """Indices of loss-bearing rows (one host sync), or None when every row counts."""
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool tensor, got {mask.dtype}")
+    rows = mask.nonzero().view(-1)
+    return None if rows.numel() == n else rows
+
+
+def scatter_rows(vals: torch.Tensor, rows: torch.Tensor | None, n: int) -> torch.Tensor:
+    """Place per-row values back at their positions; everything else is exactly 0 (no grad)."""
+    if rows is None:
+        return vals
+    return vals.new_zeros(n).index_put((rows,), vals)
+
+
+def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                    mask: torch.Tensor | None = None, temperature: float = 1.0,
+                    with_entropy: bool = False, backend: str = "auto",
+                    chunk_size: int | None = None):
+    """Log-prob of `targets` (and optionally the entropy) under softmax(hidden @ weight.T / T).
+
+    Args:
+        hidden: [N, H] float32/bfloat16/float16 final hidden states.
+        weight: [V, H] LM-head weight, same dtype and device as `hidden` (not a DTensor).
+        targets: [N] int64 token ids; must lie in [0, V) wherever `mask` is True.
+        mask: [N] bool or None (all rows). Rows with mask False cost no projection work, get
+            logp = ent = 0 exactly and receive no gradient.
+        temperature: logits are divided by it before the softmax.
+        with_entropy: also return the per-row entropy (differentiable).
+        backend: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch", or "auto"
+            (triton on CUDA, torch otherwise).
+        chunk_size: rows per chunk (default: from a memory budget, see `_common.chunk_rows`).
+
+    Returns:
+        (logp [N] float32, ent [N] float32 or None). Both differentiable w.r.t. hidden and weight.
+    """
+    check_linear_inputs(hidden, weight, targets, mask)
+    inv_temp = 1.0 / check_temperature(temperature)
+    backend = resolve_backend(backend, hidden.device)
+    n, v = hidden.shape[0], weight.shape[0]
+    rows = compact_rows(mask, n)
+    x = hidden if rows is None else hidden.index_select(0, rows)
+    t = targets if rows is None else targets.index_select(0, rows)
+    check_targets(t, rows, v)
+    t = t.long().contiguous()
+    x = x.contiguous()
+    w = weight.contiguous()
+    chunk = chunk_rows(x.shape[0], v, x.device, chunk_size)
+    logp, ent = _LinearLogprobs.apply(x, w, t, inv_temp, bool(with_entropy), backend, chunk)
+    logp = scatter_rows(logp, rows, n)
+    if not with_entropy:
+        return logp, None
+    return logp, scatter_rows(ent, rows, n)

@@ -1,0 +1,273 @@
+"""linear_logprobs (both backends) against a float64 reference: values, gradients, masks, errors.
+
+The Triton backend runs under TRITON_INTERPRET=1 here (tests/conftest.py), with fp32/fp16 only
+(the interpreter's bf16 tl.dot is wrong, and the row kernels are what we exercise).
+"""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from _kernel_ref import ref_logprobs, rel_err
+from fastrehearse.kernels import linear_logprobs
+
+BACKENDS = ["torch", "triton"]
+LOGP_TOL = 1e-4   # fp32: max abs error of logp / entropy
+GRAD_TOL = 1e-4   # fp32: ||g - g_ref|| / ||g_ref||
+
+
+@pytest.fixture(autouse=True)
+def _poison_empty():
+    """torch.empty returns NaN-filled memory, so an output element we forget to write shows up."""
+    import torch.utils.deterministic as det
+    old_det, old_fill = torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(old_det)
+    det.fill_uninitialized_memory = old_fill
+
+
+def _maxabs(a, b):
+    d = (a.detach().double() - b.detach().double()).abs()
+    return float(d.max()) if d.numel() else 0.0
+
+
+def _inputs(n, h, v, *, seed, dtype=torch.float32, scale=1.0, shift=0.0, p_mask=0.3):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g).to(dtype)
+    w = (torch.randn(v, h, generator=g) * (scale / h ** 0.5)).to(dtype)
+    if shift:  # every logit strongly negative (~ -shift): x >= 0, w <= 0 elementwise
+        x = x.abs()
+        w = -w.abs() * (shift / (0.64 * h ** 0.5 * scale))
+    t = torch.randint(0, v, (n,), generator=g)
+    mask = torch.rand(n, generator=g) >= p_mask
+    return x, w, t, mask
+
+
+def check_against_ref(backend, n, h, v, *, seed=0, temperature=1.0, with_entropy=True,
+                      use_mask=True, scale=1.0, shift=0.0, chunk_size=None, dtype=torch.float32,
+                      logp_tol=LOGP_TOL, grad_tol=GRAD_TOL, p_mask=0.3, grads=("logp", "ent")):
+    x, w, t, mask = _inputs(n, h, v, seed=seed, dtype=dtype, scale=scale, shift=shift,
+                            p_mask=p_mask)
+    mask = mask if use_mask else None
+    if mask is not None:  # masked targets may be garbage (e.g. -100): must be ignored
+        t = torch.where(mask, t, torch.full_like(t, -100))
+    g = torch.Generator().manual_seed(seed + 1)
+    g_logp = torch.randn(n, generator=g, dtype=torch.float64) if "logp" in grads else None
+    g_ent = torch.randn(n, generator=g, dtype=torch.float64) if "ent" in grads else None
+
+    xr = x.double().requires_grad_()
+    wr = w.double().requires_grad_()
+    lp_ref, ent_ref = ref_logprobs(xr, wr, t, mask, temperature)
+    loss_ref = 0
+    if g_logp is not None:
+        loss_ref = loss_ref + (lp_ref * g_logp).sum()
+    if g_ent is not None and with_entropy:
+        loss_ref = loss_ref + (ent_ref * g_ent).sum()
+
+    xk = x.clone().requires_grad_()
+    wk = w.clone().requires_grad_()
+    lp, ent = linear_logprobs(xk, wk, t, mask=mask, temperature=temperature,
+                              with_entropy=with_entropy, backend=backend, chunk_size=chunk_size)
+    assert lp.dtype == torch.float32 and lp.shape == (n,)
+    assert _maxabs(lp, lp_ref) <= logp_tol
+    if with_entropy:
+        assert ent.dtype == torch.float32 and ent.shape == (n,)
+        assert _maxabs(ent, ent_ref) <= logp_tol
+    else:
+        assert ent is None
+    if mask is not None:  # masked positions exactly zero
+        assert torch.all(lp[~mask] == 0)
+        if with_entropy:
+            assert torch.all(ent[~mask] == 0)
+
+    if not isinstance(loss_ref, torch.Tensor):
+        return
+    loss_ref.backward()
+    loss = 0
+    if g_logp is not None:
+        loss = loss + (lp * g_logp.float()).sum()
+    if g_ent is not None and with_entropy:
+        loss = loss + (ent * g_ent.float()).sum()
+    loss.backward()
+    assert xk.grad.dtype == dtype and wk.grad.dtype == dtype
+    assert torch.isfinite(xk.grad).all() and torch.isfinite(wk.grad).all()
+    assert rel_err(xk.grad, xr.grad) <= grad_tol
+    assert rel_err(wk.grad, wr.grad) <= grad_tol
+    if mask is not None:
+        assert torch.all(xk.grad[~mask] == 0)
+
+
+# ---- shapes and numerics: both backends ---------------------------------------------------------
+
+CASES = {
+    # name: kwargs (n, h, v, ...); odd sizes so no block size divides them
+    "odd": dict(n=37, h=24, v=1000, chunk_size=8),
+    "v1": dict(n=9, h=8, v=1),
+    "v2": dict(n=5, h=8, v=2, temperature=0.5),
+    "single_token": dict(n=1, h=16, v=333, use_mask=False),
+    "all_masked": dict(n=13, h=16, v=100, p_mask=1.0),
+    "temperature": dict(n=23, h=40, v=517, temperature=0.7, chunk_size=5),
+    "hot_temperature": dict(n=23, h=40, v=517, temperature=2.5),
+    "large_logits": dict(n=19, h=16, v=700, scale=80.0, temperature=1.0, chunk_size=7),
+    # row max < -110 (exp underflows fp32): a running max started at 0 would give log(0)
+    "all_negative": dict(n=17, h=16, v=400, shift=600.0),
+    "no_entropy": dict(n=21, h=32, v=300, with_entropy=False),
+    "entropy_grad_only": dict(n=21, h=32, v=300, grads=("ent",)),
+    "logp_grad_only": dict(n=21, h=32, v=300, grads=("logp",)),
+    "no_mask": dict(n=29, h=24, v=257, use_mask=False, chunk_size=4),
+    "block_boundary": dict(n=11, h=8, v=8193),  # one past the interpreter's 8192-wide block
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_float64_reference(backend, case):
+    check_against_ref(backend, seed=hash(case) % 1000, **CASES[case])
+
+
+@pytest.mark.parametrize("h,v,n", [(576, 49152, 12), (128, 50257, 40), (8, 31999, 7)])
+def test_big_vocab_torch(h, v, n):
+    check_against_ref("torch", n, h, v, seed=v, temperature=0.9)
+
+
+def test_big_vocab_triton():
+    check_against_ref("triton", 4, 64, 40000, seed=5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp16_inputs(backend):
+    # Outputs/gradients come back in fp16: compare against the float64 reference of the
+    # fp16-rounded inputs; the gradient error budget is fp16's rounding of the result (2^-11).
+    check_against_ref(backend, 31, 32, 300, seed=3, dtype=torch.float16, grad_tol=1e-3,
+                      chunk_size=8)
+
+
+def test_bf16_inputs_torch():
+    check_against_ref("torch", 31, 32, 300, seed=4, dtype=torch.bfloat16, grad_tol=8e-3)
+
+
+def test_default_chunking_multi_chunk_torch():
+    # CPU budget 32 MiB: V=20000 -> 384 rows per chunk, so 900 rows span 3 chunks.
+    check_against_ref("torch", 900, 16, 20000, seed=9)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 40), h=st.integers(8, 64), v=st.integers(1, 3000),
+       temperature=st.floats(0.3, 3.0), chunk=st.integers(1, 17), scale=st.floats(0.1, 30.0),
+       backend=st.sampled_from(BACKENDS), seed=st.integers(0, 10_000))
+def test_property_random_shapes(n, h, v, temperature, chunk, scale, backend, seed):
+    check_against_ref(backend, n, h, v, seed=seed, temperature=temperature, chunk_size=chunk,
+                      scale=scale)
+
+
+# ---- gradient plumbing --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_noncontiguous_upstream_grads_and_backends_agree(backend):
+    x, w, t, mask = _inputs(30, 16, 211, seed=11)
+    big = torch.randn(60, 2, dtype=torch.float64)
+    g_logp, g_ent = big[::2, 0], big[::2, 1]  # strided views
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    lr, er = ref_logprobs(xr, wr, t, mask, 1.0)
+    torch.autograd.backward([lr, er], [g_logp, g_ent])
+    xk, wk = x.clone().requires_grad_(), w.clone().requires_grad_()
+    lp, ent = linear_logprobs(xk, wk, t, mask=mask, with_entropy=True, backend=backend)
+    torch.autograd.backward([lp, ent], [g_logp.float(), g_ent.float()])
+    assert rel_err(xk.grad, xr.grad) <= GRAD_TOL and rel_err(wk.grad, wr.grad) <= GRAD_TOL
+
+
+def test_grad_only_for_weight_and_frozen_hidden():
+    x, w, t, mask = _inputs(20, 16, 100, seed=12)
+    wk = w.clone().requires_grad_()
+    lp, _ = linear_logprobs(x, wk, t, mask=mask)
+    lp.sum().backward()
+    wr = w.double().requires_grad_()
+    ref_logprobs(x.double(), wr, t, mask)[0].sum().backward()
+    assert rel_err(wk.grad, wr.grad) <= GRAD_TOL
+
+
+def test_no_grad_forward_and_all_masked_backward():
+    x, w, t, _ = _inputs(6, 8, 50, seed=13)
+    with torch.no_grad():
+        lp, _ = linear_logprobs(x, w, t)
+    assert not lp.requires_grad
+    xk, wk = x.clone().requires_grad_(), w.clone().requires_grad_()
+    lp, ent = linear_logprobs(xk, wk, t, mask=torch.zeros(6, dtype=torch.bool), with_entropy=True)
+    (lp.sum() + ent.sum()).backward()
+    assert torch.all(lp == 0) and torch.all(ent == 0)
+    assert xk.grad is not None and torch.all(xk.grad == 0)
+    assert wk.grad is not None and torch.all(wk.grad == 0)
+
+
+def test_backends_agree_bitwise_close():
+    x, w, t, mask = _inputs(40, 32, 1234, seed=14)
+    a = linear_logprobs(x, w, t, mask=mask, with_entropy=True, backend="torch")
+    b = linear_logprobs(x, w, t, mask=mask, with_entropy=True, backend="triton")
+    assert torch.allclose(a[0], b[0], atol=1e-5, rtol=0)
+    assert torch.allclose(a[1], b[1], atol=1e-5, rtol=0)
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+
+def _ok():
+    x, w, t, mask = _inputs(10, 8, 20, seed=15)
+    return x, w, t, mask
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_target_out_of_range_names_first_bad_position(backend):
+    x, w, t, mask = _ok()
+    mask[:] = True
+    mask[3] = False
+    t[3] = 999          # masked: ignored
+    t[5] = 20           # == V: first bad unmasked position
+    t[7] = -1
+    with pytest.raises(ValueError, match=r"targets\[5\] = 20 .*\[0, 20\)"):
+        linear_logprobs(x, w, t, mask=mask, backend=backend)
+    t[5] = 0
+    with pytest.raises(ValueError, match=r"targets\[7\] = -1"):
+        linear_logprobs(x, w, t, mask=mask, backend=backend)
+    t[7] = 0
+    linear_logprobs(x, w, t, mask=mask, backend=backend)  # t[3] = 999 is masked: fine
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda x, w, t, m: (x[0], w, t, m), "hidden must be 2-D"),
+    (lambda x, w, t, m: (x, w[:, :4], t, m), "weight shape"),
+    (lambda x, w, t, m: (x, w.double(), t, m), "weight dtype"),
+    (lambda x, w, t, m: (x.long(), w, t, m), "hidden dtype"),
+    (lambda x, w, t, m: (x, w, t[:-1], m), "targets must have shape"),
+    (lambda x, w, t, m: (x, w, t.float(), m), "targets dtype"),
+    (lambda x, w, t, m: (x, w, t, m[:-1]), "mask must have shape"),
+    (lambda x, w, t, m: (x, w, t, m.int()), "mask must be a bool"),
+    (lambda x, w, t, m: (x, w.to("meta"), t, m), "weight is on meta"),
+    (lambda x, w, t, m: (x, w, t.to("meta"), m), "targets is on meta"),
+    (lambda x, w, t, m: (x, w[:0], t, m), "at least one row"),
+])
+def test_bad_arguments_name_the_argument(bad, match):
+    args = bad(*_ok())
+    with pytest.raises(ValueError, match=match):
+        linear_logprobs(args[0], args[1], args[2], mask=args[3])
+
+
+def test_bad_options():
+    x, w, t, mask = _ok()
+    with pytest.raises(ValueError, match="temperature"):
+        linear_logprobs(x, w, t, temperature=0.0)
+    with pytest.raises(ValueError, match="backend"):
+        linear_logprobs(x, w, t, backend="cuda")
+    with pytest.raises(ValueError, match="chunk_size"):
+        linear_logprobs(x, w, t, chunk_size=0)
+
+
+def test_dtensor_weight_rejected():
+    class DTensor(torch.Tensor):  # stand-in with the class name the check looks for
+        pass
+
+    x, w, t, _ = _ok()
+    with pytest.raises(ValueError, match="DTensor"):
+        linear_logprobs(x, w.as_subclass(DTensor), t)
