@@ -1,0 +1,113 @@
+"""BuiltinSuite / BuiltinEnv: the embedded default environment (no downloads, pure Python)."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from fastrehearse.envs.base import ResetResult, Suite, Task, ToolCall, ToolEnv, ToolResult, Trajectory
+from fastrehearse.envs.builtin import scoring
+from fastrehearse.envs.builtin.tasks import TEMPLATES, generate
+from fastrehearse.envs.builtin.tools import DOMAINS, SCHEMAS, dumps, execute
+from fastrehearse.envs.builtin.world import make_world
+
+SYSTEM_PROMPT = ("You are a helpful assistant with access to tools. Use the tools to look up what you "
+                 "need or to make changes; then reply to the user with a short final answer.")
+LEVEL_PRESETS = {"easy": (0,), "mixed": (1, 2, 3), "all": (0, 1, 2, 3), "hard": (3,)}
+TOOL_MODES = ("auto", "domain", "all")
+SPLITS = ("train", "test")
+_DOMAIN_OF = {t: d for d, ts in DOMAINS.items() for t in ts}
+
+
+def parse_levels(level: int | str | Sequence[int]) -> tuple[int, ...]:
+    if isinstance(level, str):
+        if level in LEVEL_PRESETS:
+            return LEVEL_PRESETS[level]
+        level = [int(x) for x in level.split(",")] if all(
+            x.strip().isdigit() for x in level.split(",")) else level
+    if isinstance(level, int) and not isinstance(level, bool):
+        level = [level]
+    if isinstance(level, str) or not all(isinstance(x, int) and x in TEMPLATES for x in level) or not level:
+        raise ValueError(f"level={level!r}: expected one of {sorted(LEVEL_PRESETS)}, a level in "
+                         f"{sorted(TEMPLATES)}, or a list of levels")
+    return tuple(level)
+
+
+class BuiltinEnv(ToolEnv):
+    """One episode's world. `world` is the live database (inspect it after an episode)."""
+
+    def __init__(self) -> None:
+        self.world: dict[str, Any] | None = None
+        self.tools: list[str] = []
+
+    def reset(self, task: Task) -> ResetResult:
+        p = task.payload
+        self.world = make_world(p["world_seed"])
+        self.tools = list(p["tools"])
+        return ResetResult(tools=[SCHEMAS[t] for t in self.tools],
+                           messages=[{"role": "system", "content": SYSTEM_PROMPT},
+                                     {"role": "user", "content": p["prompt"]}])
+
+    def execute(self, call: ToolCall) -> ToolResult:
+        if self.world is None:
+            return ToolResult(content=dumps({"error": "environment not reset"}), ok=False,
+                              error_kind="env_error")
+        return execute(self.world, getattr(call, "name", None), getattr(call, "arguments", None), self.tools)
+
+    def score(self, task: Task, trajectory: Trajectory) -> float:
+        return scoring.score(task.payload, trajectory)
+
+
+class BuiltinSuite(Suite):
+    """Seeded, procedurally generated multi-step tool-use tasks.
+
+    level: "easy" (= 0: one spelled-out call; success = that call was made), "mixed" (= 1,2,3,
+        default), "all", "hard" (= 3), an int 0-3, or a list of ints. Tasks rotate over the levels.
+    n_train / n_test: how many tasks `tasks(split)` returns when no limit is given (any index is valid;
+        tasks are generated on demand and cached).
+    tools: "auto" (the task's domain tools; at level 0 only the named tool), "domain", or "all".
+    easy_answer: level 0 also requires the final answer to state the tool's result.
+    seed: shifts the whole task set; splits stay disjoint for every seed.
+    """
+    name = "builtin"
+
+    def __init__(self, level: int | str | Sequence[int] = "mixed", n_train: int = 5000, n_test: int = 500,
+                 tools: str = "auto", easy_answer: bool = False, seed: int = 0) -> None:
+        self.levels = parse_levels(level)
+        for arg, v in (("n_train", n_train), ("n_test", n_test), ("seed", seed)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{arg}={v!r}: expected an int >= 0")
+        if tools not in TOOL_MODES:
+            raise ValueError(f"tools={tools!r}: expected one of {TOOL_MODES}")
+        self.sizes = {"train": n_train, "test": n_test}
+        self.tool_mode, self.easy_answer, self.seed = tools, bool(easy_answer), seed
+        self._cache: dict[tuple[str, int], Task] = {}
+
+    def task(self, split: str, i: int) -> Task:
+        """The i-th task of a split (deterministic for (seed, level, split, i))."""
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r}: the builtin suite has splits {SPLITS}")
+        key = (split, i)
+        if key not in self._cache:
+            level = self.levels[i % len(self.levels)]
+            g = generate(split, level, i // len(self.levels), self.seed)
+            gold = g.pop("gold")
+            if self.tool_mode == "all":
+                g["tools"] = list(SCHEMAS)
+            elif self.tool_mode == "domain" or level > 0:
+                g["tools"] = sorted({t for name in g["tools"] for t in DOMAINS[_DOMAIN_OF[name]]},
+                                    key=list(SCHEMAS).index)
+            g["checks"] = ["calls", "state"] + (["answer"] if level > 0 or self.easy_answer else [])
+            tag = f"s{self.seed}-" if self.seed else ""
+            self._cache[key] = Task(id=f"builtin-{tag}{split}-L{level}-{i:05d}", split=split,
+                                    payload=g, gold=gold)
+        return self._cache[key]
+
+    def tasks(self, split: str, limit: int | None = None) -> list[Task]:
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r}: the builtin suite has splits {SPLITS}")
+        n = self.sizes[split] if limit is None else limit
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"limit={limit!r}: expected an int >= 0 or None")
+        return [self.task(split, i) for i in range(n)]
+
+    def make_env(self) -> BuiltinEnv:
+        return BuiltinEnv()

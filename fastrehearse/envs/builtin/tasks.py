@@ -1,0 +1,379 @@
+"""Task templates of the builtin suite, by difficulty level, and the seeded task generator.
+
+Each template is a scripted agent: it reads the world to phrase a request, then solves it through
+the real tools (`Script.call`), so gold trajectories are real executions by construction, and the
+answer and final state are whatever those calls produced.
+
+Levels
+  0 "easy": one tool call whose name and argument are spelled out in the request.
+  1: one lookup, then answer (the model must pick the tool and argument itself).
+  2: two or three dependent calls (look up an id, then use it), then answer.
+  3: three to five calls with a state change (transfer, order, cancel, reschedule), then answer.
+
+Splits are disjoint twice over: train worlds use even seeds and test worlds odd seeds, and each task's
+entity combination (template + the entities the request names, e.g. an owner name and an account
+type) is hashed into a bucket that belongs to exactly one split.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from fastrehearse.envs.builtin.tools import DOMAINS, execute
+from fastrehearse.envs.builtin.world import LOCATIONS, ORDER_STATUSES, make_world, state_digest
+
+TEST_BUCKETS = 5          # one combo bucket in five is test-only
+UNIT_WORDS = {"m": "meters", "km": "kilometers", "mi": "miles", "ft": "feet", "kg": "kilograms",
+              "g": "grams", "lb": "pounds", "USD": "US dollars", "EUR": "euros", "GBP": "British pounds",
+              "C": "degrees Celsius", "F": "degrees Fahrenheit"}
+UNIT_PAIRS = [("mi", "km"), ("km", "mi"), ("ft", "m"), ("m", "ft"), ("lb", "kg"), ("kg", "lb"),
+              ("lb", "g"), ("EUR", "USD"), ("USD", "EUR"), ("GBP", "USD"), ("C", "F"), ("F", "C")]
+
+
+# ---- answer specs (checked by fastrehearse.envs.builtin.scoring) ------------------------------
+def number(value: float, abs_tol: float = 0.0, rel_tol: float = 0.0) -> dict:
+    return {"kind": "number", "value": value, "abs_tol": abs_tol, "rel_tol": rel_tol}
+
+
+def money(value: float) -> dict:
+    return number(value, abs_tol=0.01)
+
+
+def token(value: str) -> dict:
+    """An exact id / time that must appear as a whole word (case-insensitive)."""
+    return {"kind": "token", "value": value}
+
+
+def choice(value: str, options: list[str]) -> dict:
+    """Exactly one of `options` may be named, and it must be `value` (naming all of them fails)."""
+    return {"kind": "choice", "value": value, "options": options}
+
+
+class GoldError(RuntimeError):
+    """A template's own call failed: a bug in the template, never a property of the model."""
+
+
+class Script:
+    """Runs a template's calls against the world and records the gold messages."""
+
+    def __init__(self, world: dict):
+        self.world = world
+        self.messages: list[dict] = []
+        self.required: list[dict] = []
+        self.n_calls = 0
+
+    def call(self, tool: str, /, required: bool = True, **args: Any) -> dict:
+        return self.parallel((tool, args), required=required)[0]
+
+    def parallel(self, *calls: tuple[str, dict], required: bool = True) -> list[dict]:
+        self.messages.append({"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": n, "arguments": dict(a)}} for n, a in calls]})
+        outs = []
+        for name, args in calls:
+            res = execute(self.world, name, args)
+            if not res.ok:
+                raise GoldError(f"gold call {name}({args}) failed: {res.content}")
+            self.messages.append({"role": "tool", "name": name, "content": res.content})
+            if required:
+                self.required.append({"name": name, "arguments": dict(args)})
+            self.n_calls += 1
+            outs.append(json.loads(res.content))
+        return outs
+
+    def answer(self, text: str) -> None:
+        self.messages.append({"role": "assistant", "content": text})
+
+
+@dataclass
+class Draft:
+    prompt: str
+    answer: dict | None
+    combo: tuple             # decides the split bucket
+    tools: list[str]         # tools exposed to the model
+
+
+def _domains(*names: str) -> list[str]:
+    return [t for d in names for t in DOMAINS[d]]
+
+
+def _money(x: float) -> str:
+    return f"{x:.2f}"
+
+
+# ---- level 0: spelled-out single call ---------------------------------------------------------
+def easy(w, rng, s):
+    tool = rng.choice(["get_balance", "check_stock", "get_order_status", "list_events", "find_customer"])
+    if tool == "get_balance":
+        arg, val = "account_id", rng.choice(sorted(w["accounts"]))
+    elif tool == "check_stock":
+        arg, val = "sku", rng.choice(sorted(w["products"]))
+    elif tool == "get_order_status":
+        arg, val = "order_id", rng.choice(sorted(w["orders"]))
+    elif tool == "list_events":
+        arg, val = "date", rng.choice(sorted({e["date"] for e in w["events"].values()}))
+    else:
+        arg, val = "name", rng.choice(sorted(c["name"] for c in w["customers"].values()))
+    phrase = rng.choice(['Call the tool {t} with {a}="{v}" and tell me the result.',
+                         'Use {t} with {a}="{v}", then report what it returns.',
+                         'Please run {t}({a}="{v}") and tell me the answer.'])
+    r = s.call(tool, **{arg: val})
+    if tool == "get_balance":
+        s.answer(f"The balance of {val} is {_money(r['balance'])} USD.")
+        ans = money(r["balance"])
+    elif tool == "check_stock":
+        s.answer(f"{val} has {r['in_stock']} units in stock.")
+        ans = number(r["in_stock"])
+    elif tool == "get_order_status":
+        s.answer(f"Order {val} is {r['status']}.")
+        ans = choice(r["status"], ORDER_STATUSES)
+    elif tool == "list_events":
+        titles = ", ".join(e["title"] for e in r["events"])
+        s.answer(f"There are {len(r['events'])} events on {val}: {titles}.")
+        ans = number(len(r["events"]))
+    else:
+        s.answer(f"The customer id of {val} is {r['customer_id']}.")
+        ans = token(r["customer_id"])
+    return Draft(phrase.format(t=tool, a=arg, v=val), ans, ("easy", tool, val), [tool])
+
+
+# ---- level 1: one lookup ----------------------------------------------------------------------
+def balance_by_id(w, rng, s):
+    aid = rng.choice(sorted(w["accounts"]))
+    prompt = rng.choice(["What is the balance of account {a}?", "How much money is in account {a}?"])
+    r = s.call("get_balance", account_id=aid)
+    s.answer(f"Account {aid} has a balance of {_money(r['balance'])} USD.")
+    return Draft(prompt.format(a=aid), money(r["balance"]), ("balance_by_id", aid), _domains("accounts"))
+
+
+def stock_by_sku(w, rng, s):
+    sku = rng.choice(sorted(w["products"]))
+    r = s.call("check_stock", sku=sku)
+    s.answer(f"There are {r['in_stock']} units of {sku} in stock.")
+    return Draft(f"How many units of product {sku} are in stock?", number(r["in_stock"]),
+                 ("stock_by_sku", sku), _domains("shop"))
+
+
+def order_status_by_id(w, rng, s):
+    oid = rng.choice(sorted(w["orders"]))
+    r = s.call("get_order_status", order_id=oid)
+    s.answer(f"Order {oid} is {r['status']}.")
+    return Draft(f"What is the status of order {oid}?", choice(r["status"], ORDER_STATUSES),
+                 ("order_status_by_id", oid), _domains("shop"))
+
+
+def convert_units(w, rng, s):
+    src, dst = rng.choice(UNIT_PAIRS)
+    value = rng.choice([rng.randint(1, 500), rng.randint(1, 200) + 0.5])
+    r = s.call("convert", value=value, from_unit=src, to_unit=dst)
+    s.answer(f"{value} {UNIT_WORDS[src]} is {r['value']:.2f} {UNIT_WORDS[dst]}.")
+    return Draft(f"How many {UNIT_WORDS[dst]} is {value} {UNIT_WORDS[src]}?",
+                 number(r["value"], abs_tol=0.01, rel_tol=0.005), ("convert", src, dst, value),
+                 _domains("convert"))
+
+
+def events_count(w, rng, s):
+    date = rng.choice(sorted({e["date"] for e in w["events"].values()}))
+    r = s.call("list_events", date=date)
+    s.answer(f"You have {len(r['events'])} events on {date}.")
+    return Draft(f"How many events are on my calendar on {date}?", number(len(r["events"])),
+                 ("events_count", date), _domains("calendar"))
+
+
+# ---- level 2: dependent lookups ---------------------------------------------------------------
+def balance_by_owner(w, rng, s):
+    aid = rng.choice(sorted(w["accounts"]))
+    owner, typ = w["accounts"][aid]["owner"], w["accounts"][aid]["type"]
+    r = s.call("find_accounts", owner=owner)
+    found = next(a["account_id"] for a in r["accounts"] if a["type"] == typ)
+    b = s.call("get_balance", account_id=found)
+    s.answer(f"{owner}'s {typ} account ({found}) has {_money(b['balance'])} USD.")
+    return Draft(f"What is the balance of {owner}'s {typ} account?", money(b["balance"]),
+                 ("balance_by_owner", owner, typ), _domains("accounts"))
+
+
+def stock_by_name(w, rng, s):
+    name = w["products"][rng.choice(sorted(w["products"]))]["name"]
+    r = s.call("search_products", query=name)
+    sku = next(p["sku"] for p in r["products"] if p["name"] == name)
+    st = s.call("check_stock", sku=sku)
+    s.answer(f"There are {st['in_stock']} units of the {name} ({sku}) in stock.")
+    return Draft(f"How many units of the {name} are in stock?", number(st["in_stock"]),
+                 ("stock_by_name", name), _domains("shop"))
+
+
+def latest_order_status(w, rng, s):
+    name = w["customers"][rng.choice(sorted(w["customers"]))]["name"]
+    c = s.call("find_customer", name=name)
+    orders = s.call("list_orders", customer_id=c["customer_id"])["orders"]
+    last = max(orders, key=lambda o: o["placed_on"])
+    s.answer(f"{name}'s most recent order {last['order_id']} is {last['status']}.")
+    return Draft(f"What is the status of {name}'s most recent order?", choice(last["status"], ORDER_STATUSES),
+                 ("latest_order_status", name), _domains("shop"))
+
+
+def event_location(w, rng, s):
+    eid = rng.choice(sorted(w["events"]))
+    date, title = w["events"][eid]["date"], w["events"][eid]["title"]
+    evs = s.call("list_events", date=date)["events"]
+    found = next(e["event_id"] for e in evs if e["title"] == title)
+    d = s.call("get_event", event_id=found)
+    s.answer(f"'{title}' on {date} is at {d['location']}.")
+    return Draft(f"Where is the '{title}' event on {date} taking place?", choice(d["location"], LOCATIONS),
+                 ("event_location", title, date), _domains("calendar"))
+
+
+def price_in_currency(w, rng, s):
+    name = w["products"][rng.choice(sorted(w["products"]))]["name"]
+    cur = rng.choice(["EUR", "GBP"])
+    r = s.call("search_products", query=name)
+    price = next(p["price"] for p in r["products"] if p["name"] == name)
+    c = s.call("convert", value=price, from_unit="USD", to_unit=cur)
+    s.answer(f"The {name} costs {price} USD, which is {c['value']:.2f} {cur}.")
+    return Draft(f"How much does the {name} cost in {UNIT_WORDS[cur]}?",
+                 number(c["value"], abs_tol=0.01, rel_tol=0.005), ("price_in_currency", name, cur),
+                 _domains("shop", "convert"))
+
+
+# ---- level 3: state changes -------------------------------------------------------------------
+def _two_owners(w, rng, min_balance):
+    rich = sorted(k for k, a in w["accounts"].items() if a["balance"] >= min_balance)
+    if not rich:
+        return None
+    src = rng.choice(rich)
+    others = sorted(k for k, a in w["accounts"].items() if a["owner"] != w["accounts"][src]["owner"])
+    return src, rng.choice(others)
+
+
+def transfer_between_owners(w, rng, s):
+    pair = _two_owners(w, rng, 100)
+    if pair is None:
+        return None
+    src, dst = (w["accounts"][k] for k in pair)
+    amount = round(rng.randint(10, int(min(500, src["balance"] / 2))) + rng.choice([0, 0.5, 0.25]), 2)
+    a, b = src["owner"], dst["owner"]
+    ra, rb = s.parallel(("find_accounts", {"owner": a}), ("find_accounts", {"owner": b}))
+    ida = next(x["account_id"] for x in ra["accounts"] if x["type"] == src["type"])
+    idb = next(x["account_id"] for x in rb["accounts"] if x["type"] == dst["type"])
+    t = s.call("transfer", from_account_id=ida, to_account_id=idb, amount=amount)
+    s.answer(f"Done: transferred {_money(amount)} USD ({t['transfer_id']}). {a}'s {src['type']} account "
+             f"now has {_money(t['from_balance'])} USD.")
+    return Draft(f"Transfer {_money(amount)} USD from {a}'s {src['type']} account to {b}'s {dst['type']} "
+                 f"account, then tell me the new balance of {a}'s {src['type']} account.",
+                 money(t["from_balance"]), ("transfer", a, src["type"], b, dst["type"]),
+                 _domains("accounts"))
+
+
+def pay_in_currency(w, rng, s):
+    pair = _two_owners(w, rng, 200)
+    if pair is None:
+        return None
+    src, dst = (w["accounts"][k] for k in pair)
+    cur = rng.choice(["EUR", "GBP"])
+    value = rng.randint(5, int(min(300, src["balance"] / 2 / 1.27)))
+    a, b = src["owner"], dst["owner"]
+    usd = s.call("convert", value=value, from_unit=cur, to_unit="USD")["value"]
+    ra, rb = s.parallel(("find_accounts", {"owner": a}), ("find_accounts", {"owner": b}))
+    ida = next(x["account_id"] for x in ra["accounts"] if x["type"] == src["type"])
+    idb = next(x["account_id"] for x in rb["accounts"] if x["type"] == dst["type"])
+    t = s.call("transfer", from_account_id=ida, to_account_id=idb, amount=usd)
+    s.answer(f"{value} {cur} is {_money(t['amount'])} USD; I sent {_money(t['amount'])} USD from {a}'s "
+             f"{src['type']} account to {b}'s {dst['type']} account.")
+    return Draft(f"Send the equivalent of {value} {UNIT_WORDS[cur]} in US dollars from {a}'s {src['type']} "
+                 f"account to {b}'s {dst['type']} account, and tell me how many US dollars were sent.",
+                 money(t["amount"]), ("pay_in_currency", a, b, cur), _domains("accounts", "convert"))
+
+
+def order_product(w, rng, s):
+    name = w["customers"][rng.choice(sorted(w["customers"]))]["name"]
+    sku0 = rng.choice(sorted(w["products"]))
+    product, stock = w["products"][sku0]["name"], w["products"][sku0]["stock"]
+    enough = stock > 0 and rng.random() < 0.6
+    qty = rng.randint(1, min(stock, 5)) if enough else stock + rng.randint(1, 5)
+    cid = s.call("find_customer", name=name)["customer_id"]
+    sku = next(p["sku"] for p in s.call("search_products", query=product)["products"] if p["name"] == product)
+    # check_stock is one way to learn the stock; a failed place_order reports it too.
+    st = s.call("check_stock", required=False, sku=sku)["in_stock"]
+    prompt = (f"{name} wants {qty} units of the {product}. If enough are in stock, place the order and tell "
+              f"me the order id; otherwise tell me how many units are in stock.")
+    if st >= qty:
+        o = s.call("place_order", customer_id=cid, sku=sku, quantity=qty)
+        s.answer(f"Order placed for {name}: {o['order_id']} ({qty} x {product}, total {_money(o['total'])} USD).")
+        ans = token(o["order_id"])
+    else:
+        s.answer(f"Not enough stock: only {st} units of the {product} are available, so no order was placed.")
+        ans = number(st)
+    return Draft(prompt, ans, ("order_product", name, product), _domains("shop"))
+
+
+def cancel_latest_open_order(w, rng, s):
+    open_by = sorted({o["customer_id"] for o in w["orders"].values() if o["status"] == "placed"})
+    if not open_by:
+        return None
+    name = w["customers"][rng.choice(open_by)]["name"]
+    cid = s.call("find_customer", name=name)["customer_id"]
+    orders = s.call("list_orders", customer_id=cid)["orders"]
+    last = max((o for o in orders if o["status"] == "placed"), key=lambda o: o["placed_on"])
+    r = s.call("cancel_order", order_id=last["order_id"])
+    s.answer(f"Cancelled {name}'s order {last['order_id']}; the refund is {_money(r['refund'])} USD.")
+    return Draft(f"Cancel {name}'s most recent order that has not shipped yet, and tell me the refund amount.",
+                 money(r["refund"]), ("cancel_latest_open_order", name), _domains("shop"))
+
+
+def reschedule(w, rng, s):
+    dates = sorted({e["date"] for e in w["events"].values()})
+    d1, d2 = rng.sample(dates, 2)
+    busy2 = [(e["start"], e["end"]) for e in w["events"].values() if e["date"] == d2]
+    free = [h for h in range(9, 17) if all(not (a < f"{h + 1:02d}:00" and f"{h:02d}:00" < b) for a, b in busy2)]
+    if not free:
+        return None
+    title = rng.choice(sorted(e["title"] for e in w["events"].values() if e["date"] == d1))
+    evs1 = s.call("list_events", date=d1)["events"]
+    old = next(e["event_id"] for e in evs1 if e["title"] == title)
+    s.call("list_events", date=d2)
+    start, end = f"{free[0]:02d}:00", f"{free[0] + 1:02d}:00"
+    new = s.call("create_event", title=title, date=d2, start=start, end=end)
+    s.call("cancel_event", event_id=old)
+    s.answer(f"Moved '{title}' from {d1} to {d2} at {start}-{end} (new id {new['event_id']}).")
+    return Draft(f"Move the '{title}' event from {d1} to the earliest free one-hour slot between 09:00 and "
+                 f"17:00 on {d2}, and tell me its new start time.", token(start),
+                 ("reschedule", title, d1, d2), _domains("calendar"))
+
+
+TEMPLATES: dict[int, list[Callable]] = {
+    0: [easy],
+    1: [balance_by_id, stock_by_sku, order_status_by_id, convert_units, events_count],
+    2: [balance_by_owner, stock_by_name, latest_order_status, event_location, price_in_currency],
+    3: [transfer_between_owners, pay_in_currency, order_product, cancel_latest_open_order, reschedule],
+}
+
+
+def split_of(combo: tuple) -> str:
+    h = int(hashlib.sha256(json.dumps(combo, default=str).encode()).hexdigest()[:8], 16)
+    return "test" if h % TEST_BUCKETS == 0 else "train"
+
+
+def generate(split: str, level: int, index: int, suite_seed: int = 0) -> dict[str, Any]:
+    """The `index`-th task of (split, level): a dict with prompt, world_seed, gold messages, checks.
+
+    Templates rotate with the index; the world is re-drawn until the template applies and its entity
+    combination falls in `split`'s buckets (about 1 in 5 draws for test, 4 in 5 for train)."""
+    templates = TEMPLATES[level]
+    template = templates[index % len(templates)]
+    for attempt in range(1000):
+        h = hashlib.sha256(f"builtin|{suite_seed}|{split}|{level}|{index}|{attempt}".encode()).hexdigest()
+        world_seed = int(h[:15], 16) * 2 + (split == "test")   # disjoint seed spaces: even/odd
+        world = make_world(world_seed)
+        script = Script(world)
+        draft = template(world, random.Random(h), script)
+        if draft is None or split_of(draft.combo) != split:
+            continue
+        return {"prompt": draft.prompt, "world_seed": world_seed, "level": level,
+                "template": template.__name__, "tools": draft.tools, "answer": draft.answer,
+                "required_calls": script.required, "n_calls": script.n_calls,
+                "state_digest": state_digest(world), "combo": list(draft.combo),
+                "gold": script.messages}
+    raise RuntimeError(f"could not generate task {index} of level {level} ({template.__name__}) for "
+                       f"split {split!r} in 1000 draws")

@@ -1,0 +1,110 @@
+"""Generic helpers over any Suite: read tool calls out of chat messages, and replay a message list
+(e.g. a task's gold trajectory) through a fresh environment and score it.
+
+`replay_gold(suite, task)` validates a harness end to end: every gold tool call is executed for real,
+the tool messages are regenerated from the real responses, and the suite's own scorer grades the
+result. The eval's `--policy gold` and the builtin/BFCL/tau2 tests use it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastrehearse.envs.base import Suite, Task, ToolCall, ToolResult, Trajectory
+
+
+def parse_tool_call(tc: Any) -> ToolCall:
+    """One OpenAI-shaped tool call ({"function": {"name", "arguments"}} or {"name", "arguments"}) ->
+    ToolCall. Never raises: malformed parts are passed through (a non-dict `arguments`, a name of
+    "") so the environment reports them as a bad call, which is an episode outcome."""
+    fn = tc.get("function", tc) if isinstance(tc, dict) else {}
+    fn = fn if isinstance(fn, dict) else {}
+    name = fn.get("name", "")
+    args = fn.get("arguments", {})
+    raw = args if isinstance(args, str) else ""
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            pass  # stays a string: the env answers bad_arguments
+    return ToolCall(name=name if isinstance(name, str) else str(name), arguments=args, raw=raw)
+
+
+def tool_calls_of(messages: list[dict]) -> list[ToolCall]:
+    """Every tool call the assistant made in `messages`, in order (parallel calls in turn order)."""
+    out = []
+    for m in messages:
+        if isinstance(m, dict) and m.get("role") == "assistant":
+            for tc in m.get("tool_calls") or []:
+                out.append(parse_tool_call(tc))
+    return out
+
+
+def final_answer_of(trajectory: Trajectory) -> str:
+    """`trajectory.final_answer` when set, else the content of the last assistant message if that
+    message makes no tool call (an episode that ends on a tool call has no answer: "")."""
+    if trajectory.final_answer is not None:
+        return trajectory.final_answer
+    for m in reversed(trajectory.messages):
+        if isinstance(m, dict) and m.get("role") == "assistant":
+            if m.get("tool_calls"):
+                return ""
+            content = m.get("content")
+            return content if isinstance(content, str) else ""
+    return ""
+
+
+@dataclass
+class ReplayResult:
+    score: float
+    trajectory: Trajectory                       # messages with tool responses regenerated for real
+    results: list[ToolResult] = field(default_factory=list)
+    # Indices (into `results`) where the input carried a tool message whose content differs from the
+    # real response: for gold trajectories these should be empty (the harness reproduces the data).
+    mismatches: list[int] = field(default_factory=list)
+
+
+def replay(suite: Suite, task: Task, messages: list[dict]) -> ReplayResult:
+    """Execute the assistant tool calls in `messages` through a fresh env, in order, and score.
+
+    Non-assistant, non-tool messages (e.g. later user turns of a multi-turn task) are kept; tool
+    messages of the input are replaced by the real responses (and compared with them)."""
+    env = suite.make_env()
+    try:
+        env.reset(task)
+        out: list[dict] = []
+        results: list[ToolResult] = []
+        calls: list[ToolCall] = []
+        mismatches: list[int] = []
+        pending: list[int] = []          # indices of results still waiting for an input tool message
+        for m in messages:
+            role = m.get("role")
+            if role == "tool":
+                if pending:
+                    i = pending.pop(0)
+                    if m.get("content") != results[i].content:
+                        mismatches.append(i)
+                continue
+            pending = []
+            out.append(m)
+            if role == "assistant" and m.get("tool_calls"):
+                for tc in m["tool_calls"]:
+                    call = parse_tool_call(tc)
+                    res = env.execute(call)
+                    calls.append(call)
+                    results.append(res)
+                    pending.append(len(results) - 1)
+                    out.append({"role": "tool", "name": call.name, "content": res.content})
+        traj = Trajectory(messages=out, real_calls=calls)
+        traj.final_answer = final_answer_of(traj)
+        return ReplayResult(score=float(env.score(task, traj)), trajectory=traj, results=results,
+                            mismatches=mismatches)
+    finally:
+        env.close()
+
+
+def replay_gold(suite: Suite, task: Task) -> ReplayResult:
+    if task.gold is None:
+        raise ValueError(f"task {task.id!r} has no gold trajectory (task.gold is None)")
+    return replay(suite, task, task.gold)
