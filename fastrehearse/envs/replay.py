@@ -68,8 +68,9 @@ class ReplayResult:
 def replay(suite: Suite, task: Task, messages: list[dict]) -> ReplayResult:
     """Execute the assistant tool calls in `messages` through a fresh env, in order, and score.
 
-    Non-assistant, non-tool messages (e.g. later user turns of a multi-turn task) are kept; tool
-    messages of the input are replaced by the real responses (and compared with them)."""
+    Tool messages of the input are replaced by the real responses (and compared with them). Later
+    user turns are kept, or, for an env with `next_user_message()` (BFCL's turn protocol), taken
+    from the env at the same position. Other messages are kept as they are."""
     env = suite.make_env()
     try:
         env.reset(task)
@@ -78,6 +79,7 @@ def replay(suite: Suite, task: Task, messages: list[dict]) -> ReplayResult:
         calls: list[ToolCall] = []
         mismatches: list[int] = []
         pending: list[int] = []          # indices of results still waiting for an input tool message
+        next_user = getattr(env, "next_user_message", None)
         for m in messages:
             role = m.get("role")
             if role == "tool":
@@ -87,6 +89,11 @@ def replay(suite: Suite, task: Task, messages: list[dict]) -> ReplayResult:
                         mismatches.append(i)
                 continue
             pending = []
+            if role == "user" and next_user is not None:
+                # Multi-turn envs (BFCL) hand out later user turns themselves and may change state
+                # when they do (miss_func adds tools): take the turn from the env, not the record.
+                nxt = next_user()
+                m = nxt if nxt is not None else m
             out.append(m)
             if role == "assistant" and m.get("tool_calls"):
                 for tc in m["tool_calls"]:

@@ -69,7 +69,7 @@ class BuiltinSuite(Suite):
     """
     name = "builtin"
 
-    def __init__(self, level: int | str | Sequence[int] = "mixed", n_train: int = 5000, n_test: int = 500,
+    def __init__(self, level: int | str | Sequence[int] = "mixed", n_train: int = 2000, n_test: int = 300,
                  tools: str = "auto", easy_answer: bool = False, seed: int = 0) -> None:
         self.levels = parse_levels(level)
         for arg, v in (("n_train", n_train), ("n_test", n_test), ("seed", seed)):

@@ -23,6 +23,8 @@ LOCATIONS = ["Room A", "Room B", "Cafe", "Online", "HQ lobby", "Lab 2"]
 ORDER_STATUSES = ["placed", "shipped", "delivered", "cancelled"]
 TODAY = "2026-12-01"          # placed_on of orders created during an episode
 NEW_ID_BASE = 9000            # ids created during an episode start here; seeded ids are 1000-8999
+ALL_NAMES = [f"{f} {l}" for f in FIRST for l in LAST]
+ALL_PRODUCTS = [f"{c} {n}" for c in COLORS for n in NOUNS]
 
 
 def make_world(seed: int) -> dict[str, Any]:
@@ -36,7 +38,7 @@ def make_world(seed: int) -> dict[str, Any]:
                 used.add(n)
                 return f"{prefix}{n}"
 
-    names = rng.sample([f"{f} {l}" for f in FIRST for l in LAST], 6)
+    names = rng.sample(ALL_NAMES, 6)
     accounts = {}
     for name in names[:5]:
         for typ in rng.sample(["checking", "savings"], rng.choice([1, 2])):
@@ -44,8 +46,8 @@ def make_world(seed: int) -> dict[str, Any]:
                                       "balance": round(rng.uniform(50, 5000), 2), "currency": "USD"}
     customers = {new_id("CU"): {"name": name} for name in rng.sample(names, 4)}
     products = {}
-    for color, noun in rng.sample([(c, n) for c in COLORS for n in NOUNS], 6):
-        products[new_id("SK")] = {"name": f"{color} {noun}", "price": round(rng.uniform(2, 200), 2),
+    for name in rng.sample(ALL_PRODUCTS, 6):
+        products[new_id("SK")] = {"name": name, "price": round(rng.uniform(2, 200), 2),
                                   "stock": rng.randint(0, 40)}
     orders = {}
     days = rng.sample(range(1, 300), 8)            # distinct placement days -> a unique "most recent"
