@@ -1,0 +1,70 @@
+"""The `fastrehearse` command.
+
+    fastrehearse train --config configs/demo.yaml [--set optim.lr=1e-5 ...] [--resume]
+    fastrehearse eval  ...            (fastrehearse.eval.cli; see `fastrehearse eval --help`)
+
+`torchrun --nproc_per_node=N -m fastrehearse.train --config PATH` runs the same training code.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+
+def train_parser(prog: str = "fastrehearse train") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Train a tool-use agent by world rehearsal "
+                                "(SFT warm-up on gold trajectories, then role-wise GRPO).")
+    p.add_argument("--config", required=True, help="YAML file (see configs/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key, e.g. --set optim.lr=1e-5 (repeatable)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest complete checkpoint in run_dir")
+    return p
+
+
+def train_main(argv: list[str] | None = None, prog: str = "fastrehearse train") -> int:
+    args = train_parser(prog).parse_args(argv)
+    from fastrehearse.train.config import ConfigError, load_config
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"{prog}: config error: {e}", file=sys.stderr)
+        return 2
+    from fastrehearse.train.loop import train
+    train(cfg, resume=args.resume)
+    return 0
+
+
+def eval_main(argv: list[str]) -> int:
+    try:
+        mod = importlib.import_module("fastrehearse.eval.cli")
+    except ImportError as e:
+        print(f"fastrehearse eval: the evaluation module is not available ({e}); "
+              f"it lives in fastrehearse/eval/cli.py", file=sys.stderr)
+        return 2
+    if not hasattr(mod, "main"):
+        print("fastrehearse eval: fastrehearse.eval.cli has no main()", file=sys.stderr)
+        return 2
+    rc = mod.main(argv)
+    return int(rc or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = "usage: fastrehearse {train,eval} ...  (fastrehearse <command> --help for details)"
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        print(__doc__)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        return train_main(rest)
+    if cmd == "eval":
+        return eval_main(rest)
+    print(f"fastrehearse: unknown command {cmd!r}\n{usage}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Process group, device mesh and FSDP2 -- the one place `fully_shard` is applied.
+
+Gradient reduction is a plain SUM on every backend. The trainer divides each role's loss by that
+role's *global* token count (all-reduced over ranks, summed over micro-batches), so the summed
+gradient already is the full-batch gradient and the result does not depend on the world size. The
+FSDP2 default (average over ranks) would divide by the world size a second time, and on gloo AVG is
+emulated and has been seen to sum instead (pytorch issue 162338); a custom divide factor becomes
+PREMUL_SUM, which gloo lacks. Hence `set_gradient_divide_factor(1.0)` plus
+`set_force_sum_reduction_for_comms(True)`: SUM, no scaling, on NCCL and gloo alike.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None          # None: single process, no process group
+    mesh: object | None = None   # DeviceMesh when world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def resolve_device(pref: str, local_rank: int = 0) -> torch.device:
+    if pref == "cuda" or (pref == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch.cuda.is_available() is False")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(device_pref: str = "auto") -> DistInfo:
+    """Join the torchrun rendezvous when launched by torchrun (WORLD_SIZE > 1), else run alone.
+
+    NCCL on CUDA, gloo on CPU. Multi-node works through torchrun's rendezvous (--nnodes,
+    --rdzv-endpoint); nothing here is node-aware beyond LOCAL_RANK picking the GPU.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(device_pref, local_rank)
+    if world <= 1:
+        return DistInfo(0, 1, 0, device, None)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    return DistInfo(rank, world, local_rank, device, backend, mesh)
+
+
+def destroy_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def mixed_precision(precision: str, device: torch.device):
+    """bf16 compute params with fp32 gradient reduction on CUDA; fp32 on CPU (bf16 GEMMs are
+    slow on CPU and the Triton interpreter mis-computes bf16 dots)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    if use_bf16:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks: the adapter's `layers` if it exposes them, else HF's model.layers."""
+    for path in ("layers", "model.model.layers", "model.layers", "hf_model.model.layers"):
+        obj = model
+        try:
+            for part in path.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        if isinstance(obj, nn.ModuleList):
+            return obj
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (looked for "
+                     f"'layers', 'model.layers', 'model.model.layers')")
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder block in backward. Uses the adapter's own switch when it has one."""
+    if hasattr(model, "enable_activation_checkpointing"):   # fastrehearse.model.RehearsalModel
+        model.enable_activation_checkpointing()
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+
+
+def parallelize(model: nn.Module, info: DistInfo, *, precision: str = "auto",
+                activation_checkpointing: bool = False, reshard_after_forward: bool = True) -> nn.Module:
+    """Activation checkpointing, then FSDP2 on every decoder block and on the root.
+
+    `model` must be the module whose forward runs the LM head (the RehearsalModel adapter): the
+    head weight belongs to the root's parameter group, so it is unsharded (a plain tensor, not a
+    DTensor) while the fused loss kernel reads it inside that forward.
+    """
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if not info.distributed:
+        return model.to(info.device)
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    mp = mixed_precision(precision, info.device)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=info.mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # The root's parameters (embeddings, final norm, LM head; tied or not) are needed again right
+    # after the last block, so there is no point resharding them between forward and backward.
+    fully_shard(model, mesh=info.mesh, mp_policy=mp, reshard_after_forward=False)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+# ---- small collective helpers (no-ops when running alone) -------------------------------------
+
+def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Sum over ranks (in place on a copy). Float64 stays exact for token counts; gloo handles it,
+    NCCL too."""
+    if not info.distributed:
+        return t
+    out = t.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+def all_gather_object(obj, info: DistInfo) -> list:
+    if not info.distributed:
+        return [obj]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier(info: DistInfo) -> None:
+    if info.distributed:
+        dist.barrier()
+
+
+def broadcast_object(obj, info: DistInfo, src: int = 0):
+    if not info.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

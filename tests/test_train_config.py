@@ -1,0 +1,92 @@
+"""Config loading: YAML + --set overrides, strict keys and types, clear messages."""
+from pathlib import Path
+
+import pytest
+
+from fastrehearse.train.config import ConfigError, TrainConfig, apply_override, load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _yaml(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_and_nested_yaml(tmp_path):
+    cfg = load_config(_yaml(tmp_path, "steps: 3\nalgo:\n  leave_one_out: true\n  loss:\n    clip_high: 0.28\n"
+                                      "optim:\n  lr: 1\n"))
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.steps == 3 and cfg.algo.leave_one_out is True and cfg.algo.loss.clip_high == 0.28
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)   # int accepted for float
+    assert cfg.algo.std_normalize is False                             # paper default
+
+
+def test_overrides(tmp_path):
+    cfg = load_config(_yaml(tmp_path, "steps: 3\n"),
+                      ["optim.lr=3e-5", "algo.loss.dual_clip=3", "rollout.mode=hybrid",
+                       "optim.betas=[0.9, 0.95]", "env.options={level: easy}", "algo.norm_len=null"])
+    assert cfg.optim.lr == 3e-5 and cfg.algo.loss.dual_clip == 3.0
+    assert cfg.rollout.mode == "hybrid" and cfg.optim.betas == [0.9, 0.95]
+    assert cfg.env.options == {"level": "easy"} and cfg.algo.norm_len is None
+
+
+def test_unknown_key_names_key_and_allowed(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(_yaml(tmp_path, "algo:\n  aggregaton: token-mean\n"))
+    msg = str(e.value)
+    assert "'algo.aggregaton'" in msg and "did you mean 'aggregation'" in msg
+    assert "leave_one_out" in msg and "std_normalize" in msg           # the allowed keys
+    with pytest.raises(ConfigError, match=r"unknown config key 'optim.learning_rate'.*allowed keys"):
+        load_config(None, ["optim.learning_rate=1e-5"])
+    with pytest.raises(ConfigError, match="unknown config key 'bogus'"):
+        load_config(_yaml(tmp_path, "bogus: 1\n"))
+
+
+def test_mistyped_values(tmp_path):
+    with pytest.raises(ConfigError, match=r"'optim.lr' must be float, got 'fast' \(str\)"):
+        load_config(None, ["optim.lr=fast"])
+    with pytest.raises(ConfigError, match=r"'steps' must be int, got 2.5"):
+        load_config(_yaml(tmp_path, "steps: 2.5\n"))
+    with pytest.raises(ConfigError, match=r"'algo.std_normalize' must be bool, got 'yes please'"):
+        load_config(None, ["algo.std_normalize=yes please"])
+    with pytest.raises(ConfigError, match=r"'algo' must be a mapping"):
+        load_config(_yaml(tmp_path, "algo: 3\n"))
+    with pytest.raises(ConfigError, match=r"'steps' is a int, not a section"):
+        load_config(None, ["steps.x=1"])
+    with pytest.raises(ConfigError, match="--set expects key=value"):
+        load_config(None, ["steps"])
+
+
+def test_value_checks():
+    with pytest.raises(ConfigError, match=r"'rollout.mode' = 'dream' is not one of \['rehearse', 'real', 'hybrid'\]"):
+        load_config(None, ["rollout.mode=dream"])
+    with pytest.raises(ConfigError, match=r"'algo.aggregation' = 'mean'"):
+        load_config(None, ["algo.aggregation=mean"])
+    with pytest.raises(ConfigError, match=r"'rollout.group_size' must be > 0"):
+        load_config(None, ["rollout.group_size=0"])
+    with pytest.raises(ConfigError, match=r"'algo.loss.dual_clip' must be > 1"):
+        load_config(None, ["algo.loss.dual_clip=0.5"])
+    with pytest.raises(ConfigError, match=r"'max_tokens' \(100\) must be >= 'rollout.max_episode_tokens'"):
+        load_config(None, ["max_tokens=100"])
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: '.*nope.yaml'"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(_yaml(tmp_path, "steps: [1,\n"))
+
+
+def test_apply_override_section_merge():
+    cfg = TrainConfig()
+    apply_override(cfg, "sft={steps: 5}")
+    assert cfg.sft.steps == 5 and cfg.sft.w_act == 1.0   # other keys of the section kept
+
+
+@pytest.mark.parametrize("name", ["smoke.yaml", "demo.yaml", "qwen3_1p7b_builtin.yaml", "qwen3_8b_bfcl.yaml"])
+def test_presets_load(name):
+    if not (CONFIGS / name).is_file():
+        pytest.skip(f"{name} not written yet")
+    load_config(CONFIGS / name)
