@@ -1,0 +1,261 @@
+"""API drift: a wrapper that perturbs a real environment's responses after training.
+
+A trained agent has internalized an environment (its world model). Real APIs change: fields get
+renamed, error messages get reworded, units and formats change, tools disappear. `DriftEnv` wraps
+any `ToolEnv` and applies such changes to what the agent *sees*, while the wrapped environment's
+state and its own checker stay untouched -- so task success is still graded by the benchmark, and
+world-model fidelity (rehearsed vs real response) measures how far the internal model has drifted.
+
+SPEC: comma-separated perturbations, each `name` or `name:arg`:
+  rename            every JSON field renamed: snake_case -> camelCase, one-word keys get "_v2"
+  rename:a=b;c=d    only the listed fields renamed (a -> b, c -> d)
+  errors            failed calls (ok=False, or a JSON "error"/"message" field on failure) reworded
+                    into a structured error: {"error": {"code": "E_<KIND>", "detail": <lowercased>}}
+  units             money-like numeric fields (amount, price, balance, cost, total, fee) in cents
+                    (x100, int); distance-like fields (distance, km) in metres (x1000)
+  formats           ISO dates YYYY-MM-DD -> DD/MM/YYYY, booleans -> "yes"/"no", floats -> strings
+                    with two decimals
+  remove:TOOL       the tool disappears: dropped from the schemas, and calling it fails as unknown
+  remove            one tool per task, chosen by a seeded hash of the task id, disappears
+  seed:N            seed for `remove` (default 0)
+  all               rename,errors,units,formats
+
+Responses that are not JSON (or a Python literal dict/list) pass through rename/units/formats
+unchanged; `errors` still applies to them.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastrehearse.envs.base import ResetResult, Task, ToolCall, ToolEnv, ToolResult, Trajectory
+
+KINDS = ("rename", "errors", "units", "formats", "remove", "seed", "all")
+_MONEY = re.compile(r"(amount|price|balance|cost|total|fee)", re.I)
+_DISTANCE = re.compile(r"(distance|_km$|^km$)", re.I)
+_ISO_DATE = re.compile(r"^(\d{4})-(\d{2})-(\d{2})")
+
+
+@dataclass
+class DriftSpec:
+    rename: bool = False
+    rename_map: dict[str, str] = field(default_factory=dict)   # empty = the default rule
+    errors: bool = False
+    units: bool = False
+    formats: bool = False
+    remove: bool = False
+    remove_tool: str | None = None    # None with remove=True: a seeded per-task choice
+    seed: int = 0
+
+    @classmethod
+    def parse(cls, spec: str | None) -> "DriftSpec | None":
+        if spec is None or not spec.strip() or spec.strip() == "none":
+            return None
+        s = cls()
+        for part in spec.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            name, _, arg = part.partition(":")
+            name = name.strip().lower()
+            if name not in KINDS:
+                raise ValueError(f"--drift: unknown perturbation {name!r} in {spec!r} (allowed: {KINDS})")
+            if name == "all":
+                s.rename = s.errors = s.units = s.formats = True
+            elif name == "rename":
+                s.rename = True
+                for pair in filter(None, arg.split(";")):
+                    old, eq, new = pair.partition("=")
+                    if not eq or not old.strip() or not new.strip():
+                        raise ValueError(f"--drift: rename expects old=new pairs, got {pair!r}")
+                    s.rename_map[old.strip()] = new.strip()
+            elif name == "remove":
+                s.remove = True
+                s.remove_tool = arg.strip() or None
+            elif name == "seed":
+                try:
+                    s.seed = int(arg)
+                except ValueError:
+                    raise ValueError(f"--drift: seed expects an integer, got {arg!r}") from None
+            else:
+                if arg:
+                    raise ValueError(f"--drift: {name} takes no argument, got {part!r}")
+                setattr(s, name, True)
+        return s
+
+    def describe(self) -> str:
+        parts = []
+        if self.rename:
+            parts.append("rename" + (":" + ";".join(f"{a}={b}" for a, b in self.rename_map.items())
+                                     if self.rename_map else ""))
+        parts += [k for k in ("errors", "units", "formats") if getattr(self, k)]
+        if self.remove:
+            parts.append("remove" + (f":{self.remove_tool}" if self.remove_tool else ""))
+        if self.seed:
+            parts.append(f"seed:{self.seed}")
+        return ",".join(parts) or "none"
+
+
+# ----------------------------------------------------------------------------- value transforms
+def rename_key(key: str, mapping: dict[str, str]) -> str:
+    if mapping:
+        return mapping.get(key, key)
+    if "_" in key.strip("_"):
+        head, *rest = key.split("_")
+        return head + "".join(w[:1].upper() + w[1:] for w in rest if w)
+    return key + "_v2"
+
+
+def _walk(obj: Any, fn_pair) -> Any:
+    """Apply fn_pair(key, value) -> (key, value) to every dict item, recursively."""
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            v = _walk(v, fn_pair)
+            k2, v2 = fn_pair(k, v)
+            out[k2] = v2
+        return out
+    if isinstance(obj, list):
+        return [_walk(v, fn_pair) for v in obj]
+    return obj
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def convert_units(key: Any, value: Any) -> tuple[Any, Any]:
+    if isinstance(key, str) and _is_number(value):
+        if _MONEY.search(key):
+            return key, int(round(value * 100))
+        if _DISTANCE.search(key):
+            return key, int(round(value * 1000))
+    return key, value
+
+
+def convert_format(value: Any) -> Any:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    if isinstance(value, str):
+        m = _ISO_DATE.match(value)
+        if m:
+            return f"{m.group(3)}/{m.group(2)}/{m.group(1)}" + value[m.end():]
+    return value
+
+
+def _format_all(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _format_all(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_format_all(v) for v in obj]
+    return convert_format(obj)
+
+
+def parse_structured(text: str) -> Any | None:
+    """JSON, or a Python literal (BFCL's classes return dicts that are often str()-ed)."""
+    try:
+        obj = json.loads(text)
+    except (json.JSONDecodeError, TypeError):
+        try:
+            obj = ast.literal_eval(text)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return None
+    return obj if isinstance(obj, (dict, list)) else None
+
+
+def reword_error(text: str, kind: str | None) -> str:
+    detail = re.sub(r"\s+", " ", text).strip().rstrip(".").lower()
+    detail = re.sub(r"^error[:\s]*", "", detail)
+    code = "E_" + re.sub(r"[^A-Z0-9]+", "_", (kind or "failed").upper()).strip("_")
+    return json.dumps({"error": {"code": code, "detail": detail}})
+
+
+class DriftEnv(ToolEnv):
+    """Wraps a real `ToolEnv`; the agent sees drifted schemas and responses."""
+
+    def __init__(self, inner: ToolEnv, spec: DriftSpec):
+        self.inner = inner
+        self.spec = spec
+        self.removed: str | None = None
+        self.stats = {"responses": 0, "changed": 0, "removed_tool_calls": 0}
+
+    def __getattr__(self, name: str) -> Any:
+        # Env-specific hooks (e.g. BFCL's next user turn) pass through to the real environment.
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def reset(self, task: Task) -> ResetResult:
+        res = self.inner.reset(task)
+        self.removed = None
+        if self.spec.remove:
+            names = [t["function"]["name"] for t in res.tools]
+            if self.spec.remove_tool is not None:
+                self.removed = self.spec.remove_tool if self.spec.remove_tool in names else None
+            elif names:
+                h = hashlib.sha256(f"{self.spec.seed}:{task.id}".encode()).digest()
+                self.removed = sorted(names)[int.from_bytes(h[:4], "little") % len(names)]
+            tools = [t for t in res.tools if t["function"]["name"] != self.removed]
+            res = ResetResult(tools=tools, messages=res.messages)
+        return res
+
+    def execute(self, call: ToolCall) -> ToolResult:
+        if self.removed is not None and call.name == self.removed:
+            self.stats["removed_tool_calls"] += 1
+            return ToolResult(content=f"Error: unknown tool '{call.name}'", ok=False,
+                              error_kind="unknown_tool")
+        real = self.inner.execute(call)
+        drifted = self.perturb(real)
+        self.stats["responses"] += 1
+        self.stats["changed"] += int(drifted.content != real.content)
+        return drifted
+
+    def perturb(self, result: ToolResult) -> ToolResult:
+        s = self.spec
+        text = result.content
+        obj = parse_structured(text)
+        failed = not result.ok or (isinstance(obj, dict) and "error" in obj and len(obj) <= 2)
+        if s.errors and failed:
+            msg = text
+            if isinstance(obj, dict):
+                msg = str(obj.get("error") or obj.get("message") or text)
+            return ToolResult(reword_error(msg, result.error_kind), result.ok, result.error_kind)
+        if obj is None:
+            return result
+        if s.units:
+            obj = _walk(obj, convert_units)
+        if s.formats:
+            obj = _format_all(obj)
+        if s.rename:
+            obj = _walk(obj, lambda k, v: (rename_key(k, s.rename_map) if isinstance(k, str) else k, v))
+        new = json.dumps(obj)
+        if new == json.dumps(parse_structured(text)):
+            return result          # nothing drifted: keep the original text byte for byte
+        return ToolResult(new, result.ok, result.error_kind)
+
+    def score(self, task: Task, trajectory: Trajectory) -> float:
+        if self.removed is None:
+            return self.inner.score(task, trajectory)
+        # A call to the removed tool never happened: checkers that replay the trajectory's calls
+        # (the builtin suite's does) must not see it.
+        msgs = []
+        for m in trajectory.messages:
+            if m.get("role") == "assistant" and m.get("tool_calls"):
+                m = dict(m)
+                m["tool_calls"] = [tc for tc in m["tool_calls"]
+                                   if tc.get("function", tc).get("name") != self.removed]
+                if not m["tool_calls"]:
+                    m.pop("tool_calls")
+            msgs.append(m)
+        kept = Trajectory(messages=msgs, final_answer=trajectory.final_answer,
+                          real_calls=[c for c in trajectory.real_calls if c.name != self.removed])
+        return self.inner.score(task, kept)
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,107 @@
+"""Markdown tables and PNG plots for eval results (matplotlib, Agg backend: no display needed)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}"
+
+
+def results_markdown(res: dict[str, Any]) -> str:
+    """One run: a row per category, then the overall line(s)."""
+    title = f"### {res['suite']} -- policy `{res['policy']}`"
+    if res.get("rehearsal", {}).get("budget"):
+        r = res["rehearsal"]
+        title += f", test-time rehearsal N={r['budget']} ({r['mode']})"
+    if res.get("drift"):
+        title += f", drift `{res['drift']}`"
+    has_fid = any("fidelity" in c for c in res["categories"].values())
+    head = "| category | n | accuracy (%) | gen tok/item | rehearsal tok/item | real calls/item | malformed turns |"
+    sep = "|---|---:|---:|---:|---:|---:|---:|"
+    if has_fid:
+        head += " fidelity exact | fidelity field F1 |"
+        sep += "---:|---:|"
+    lines = [title, "", head, sep]
+    for name, c in res["categories"].items():
+        row = (f"| {name} | {c['n']} | {_pct(c['accuracy'])} | {c['mean_gen_tokens']:.0f} | "
+               f"{c['mean_rehearsal_tokens']:.0f} | {c['mean_real_calls']:.2f} | {c['malformed_turns']} |")
+        if has_fid:
+            f = c.get("fidelity") or {}
+            row += f" {_pct(f.get('exact'))} | {_pct(f.get('field_f1'))} |"
+        lines.append(row)
+    lines.append("")
+    lines.append(f"**overall: {_pct(res.get('overall'))}%**" + (
+        f" (BFCL strict formula, categories not run = 0: {_pct(res['bfcl_overall_strict'])}%)"
+        if res.get("bfcl_overall_strict") is not None else ""))
+    return "\n".join(lines) + "\n"
+
+
+def plot_categories(res: dict[str, Any], path: str | Path) -> Path:
+    names = list(res["categories"])
+    acc = [100 * res["categories"][n]["accuracy"] for n in names]
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.7 * len(names) + 2), 3.2))
+    ax.bar(range(len(names)), acc, color="#4477aa")
+    ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
+    ax.set_ylim(0, 100)
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(f"{res['suite']} / {res['policy']}", fontsize=9)
+    for i, a in enumerate(acc):
+        ax.text(i, a + 1, f"{a:.0f}", ha="center", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def write_run_report(res: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    out = Path(out_dir)
+    md = out / "results.md"
+    md.write_text(results_markdown(res))
+    return [md, plot_categories(res, out / "accuracy.png")]
+
+
+# ------------------------------------------------------------------ comparisons across runs
+def load(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    return json.loads((p / "results.json" if p.is_dir() else p).read_text())
+
+
+def comparison_markdown(rows: list[dict[str, Any]]) -> str:
+    """rows: {"model", "suite", "rehearsal" (N), "overall", "n", "gen_tokens", "rehearsal_tokens",
+    "seconds", optional "fidelity"}; one line each."""
+    head = ("| model | suite | rehearsal N | n items | accuracy (%) | committed tok/item | "
+            "rehearsal tok/item | wall s |")
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['suite']} | {r['rehearsal']} | {r['n']} | {_pct(r['overall'])} | "
+                     f"{r['gen_tokens']:.0f} | {r['rehearsal_tokens']:.0f} | {r['seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_rehearsal_sweep(rows: list[dict[str, Any]], path: str | Path) -> Path:
+    """Accuracy and token cost against rehearsal budget N, one line per (model, suite)."""
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.4))
+    keys = sorted({(r["model"], r["suite"]) for r in rows})
+    for key in keys:
+        rs = sorted((r for r in rows if (r["model"], r["suite"]) == key), key=lambda r: r["rehearsal"])
+        ns = [r["rehearsal"] for r in rs]
+        label = f"{key[0]} / {key[1]}"
+        a1.plot(ns, [100 * (r["overall"] or 0) for r in rs], marker="o", label=label)
+        a2.plot(ns, [r["gen_tokens"] + r["rehearsal_tokens"] for r in rs], marker="o", label=label)
+    a1.set_xlabel("rehearsal budget N")
+    a1.set_ylabel("accuracy (%)")
+    a2.set_xlabel("rehearsal budget N")
+    a2.set_ylabel("generated tokens / item")
+    a1.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

@@ -1,0 +1,85 @@
+"""What `--suite` means for the harness: the items to run, an environment factory per category, and
+how many policy turns each category allows.
+
+  builtin  categories are splits of the builtin suite (default: test)
+  bfcl     single-turn AST categories through fastrehearse.eval.bfcl_single (one turn, no real
+           execution: the calls are graded by BFCL's ast_checker); multi-turn categories through the
+           real BFCL environment (fastrehearse.envs.bfcl), user turns fed one at a time
+  tau2     categories are tau2 domains (default: telecom, solo mode), graded by tau2's evaluator
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from fastrehearse.envs.base import Suite, Task, ToolEnv
+
+BFCL_SINGLE = ("simple_python", "multiple", "parallel", "parallel_multiple", "live_simple",
+               "live_multiple", "irrelevance", "live_irrelevance")
+BFCL_MULTI = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param",
+              "multi_turn_long_context")
+DEFAULT_CATEGORIES = {"builtin": ("test",), "bfcl": BFCL_SINGLE + BFCL_MULTI, "tau2": ("telecom",)}
+SUITES = tuple(DEFAULT_CATEGORIES)
+
+
+@dataclass
+class SuiteRun:
+    items: list[tuple[str, Task]]
+    make_env: Callable[[str], ToolEnv]
+    max_steps_for: Callable[[str], int]
+
+
+def _get_suite(name: str, **kw) -> Suite:
+    from fastrehearse import envs
+
+    get = getattr(envs, "get_suite", None)
+    if get is not None:
+        return get(name, **kw)
+    if name == "builtin":        # before the registry landed
+        from fastrehearse.envs.builtin import BuiltinSuite
+        return BuiltinSuite(**kw)
+    raise ImportError(f"fastrehearse.envs has no get_suite() yet: suite {name!r} is unavailable")
+
+
+def build(suite: str, categories: list[str] | None, limit: int | None, max_steps: int,
+          seed: int = 0) -> SuiteRun:
+    if suite not in SUITES:
+        raise ValueError(f"--suite must be one of {SUITES}, got {suite!r}")
+    cats = list(categories or DEFAULT_CATEGORIES[suite])
+    if limit is not None and limit < 0:
+        raise ValueError(f"--limit must be >= 0, got {limit}")
+    suites: dict[str, Suite] = {}
+    items: list[tuple[str, Task]] = []
+
+    if suite == "builtin":
+        s = _get_suite("builtin")
+        for c in cats:
+            if c not in ("train", "test"):
+                raise ValueError(f"--categories for builtin are splits (train, test), got {c!r}")
+            suites[c] = s
+            items += [(c, t) for t in s.tasks(c, limit)]
+    elif suite == "bfcl":
+        bad = [c for c in cats if c not in BFCL_SINGLE + BFCL_MULTI]
+        if bad:
+            raise ValueError(f"--categories: unknown BFCL categories {bad}; known: "
+                             f"{list(BFCL_SINGLE + BFCL_MULTI)}")
+        for c in cats:
+            if c in BFCL_SINGLE:
+                from fastrehearse.eval.bfcl_suite import BfclSingleTurnSuite
+                suites[c] = BfclSingleTurnSuite(c)
+            else:
+                suites[c] = _get_suite("bfcl", category=c)
+            items += [(c, t) for t in suites[c].tasks(c, limit)]
+    else:
+        for c in cats:
+            suites[c] = _get_suite("tau2", domain=c)
+            items += [(c, t) for t in suites[c].tasks("test", limit)]
+
+    def make_env(c: str) -> ToolEnv:
+        return suites[c].make_env()
+
+    def max_steps_for(c: str) -> int:
+        # Single-turn BFCL: one assistant turn is the whole answer.
+        return 1 if c in BFCL_SINGLE else max_steps
+
+    return SuiteRun(items, make_env, max_steps_for)

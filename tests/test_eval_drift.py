@@ -1,0 +1,139 @@
+"""API drift: each perturbation changes responses exactly as specified; state and scoring are untouched."""
+import json
+
+import pytest
+
+from fastrehearse.envs.base import ResetResult, Task, ToolCall, ToolEnv, ToolResult, Trajectory
+from fastrehearse.envs.builtin import BuiltinSuite
+from fastrehearse.eval.drift import DriftEnv, DriftSpec, rename_key
+from fastrehearse.eval.harness import HarnessConfig, run_items
+from fastrehearse.eval.policies import GoldPolicy
+from fastrehearse.eval.results import ResultStore
+
+
+class Canned(ToolEnv):
+    """Answers each tool with a fixed response; counts executions."""
+
+    def __init__(self, responses):
+        self.responses = responses
+        self.executed = []
+
+    def reset(self, task):
+        return ResetResult(tools=[{"type": "function", "function": {"name": n, "parameters": {}}}
+                                  for n in self.responses], messages=[{"role": "user", "content": "hi"}])
+
+    def execute(self, call):
+        self.executed.append(call.name)
+        return self.responses[call.name]
+
+    def score(self, task, trajectory):
+        return 1.0
+
+
+RESP = {
+    "get_balance": ToolResult(json.dumps({"account_id": "AC1", "balance": 12.5, "currency": "USD",
+                                          "opened": "2024-03-07", "active": True})),
+    "route": ToolResult(json.dumps({"distance_km": 3.2, "legs": [{"distance": 1.5, "total_fee": 2}]})),
+    "fail": ToolResult(json.dumps({"error": "Account AC9 not found."}), ok=False, error_kind="not_found"),
+    "text": ToolResult("plain text reply"),
+    "pyrepr": ToolResult(str({"file_name": "a.txt", "size": 3})),
+}
+TASK = Task(id="t1", split="test", payload={})
+
+
+def _env(spec):
+    env = DriftEnv(Canned(RESP), DriftSpec.parse(spec))
+    env.reset(TASK)
+    return env
+
+
+def _json(env, name):
+    return json.loads(env.execute(ToolCall(name, {})).content)
+
+
+def test_parse_and_describe():
+    s = DriftSpec.parse("rename:balance=funds;currency=ccy,errors,remove:route,seed:3")
+    assert s.rename_map == {"balance": "funds", "currency": "ccy"} and s.errors and s.remove
+    assert s.remove_tool == "route" and s.seed == 3 and not s.units
+    assert DriftSpec.parse("all").describe() == "rename,errors,units,formats"
+    assert DriftSpec.parse(None) is None and DriftSpec.parse("none") is None
+    for bad in ("explode", "rename:balance", "seed:x", "units:cents"):
+        with pytest.raises(ValueError, match="--drift"):
+            DriftSpec.parse(bad)
+
+
+def test_rename_default_rule_and_map():
+    assert rename_key("account_id", {}) == "accountId" and rename_key("balance", {}) == "balance_v2"
+    assert _json(_env("rename"), "get_balance") == {"accountId": "AC1", "balance_v2": 12.5,
+                                                    "currency_v2": "USD", "opened_v2": "2024-03-07",
+                                                    "active_v2": True}
+    assert _json(_env("rename:balance=funds"), "get_balance") == {
+        "account_id": "AC1", "funds": 12.5, "currency": "USD", "opened": "2024-03-07", "active": True}
+    # nested keys too; Python-literal responses (BFCL's str(dict)) are understood
+    assert _json(_env("rename"), "route") == {"distanceKm": 3.2, "legs_v2": [{"distance_v2": 1.5, "totalFee": 2}]}
+    assert _json(_env("rename"), "pyrepr") == {"fileName": "a.txt", "size_v2": 3}
+
+
+def test_units_and_formats():
+    assert _json(_env("units"), "get_balance")["balance"] == 1250            # dollars -> cents
+    assert _json(_env("units"), "route") == {"distance_km": 3200, "legs": [{"distance": 1500, "total_fee": 200}]}
+    f = _json(_env("formats"), "get_balance")
+    assert f["opened"] == "07/03/2024" and f["active"] == "yes" and f["balance"] == "12.50"
+    assert f["account_id"] == "AC1"
+
+
+def test_errors_reworded():
+    env = _env("errors")
+    r = env.execute(ToolCall("fail", {}))
+    assert not r.ok and r.error_kind == "not_found"
+    assert json.loads(r.content) == {"error": {"code": "E_NOT_FOUND", "detail": "account ac9 not found"}}
+    # successful responses are untouched by `errors`
+    assert env.execute(ToolCall("get_balance", {})).content == RESP["get_balance"].content
+
+
+def test_non_json_passes_through():
+    assert _env("all").execute(ToolCall("text", {})).content == "plain text reply"
+
+
+def test_removed_tool():
+    inner = Canned(RESP)
+    env = DriftEnv(inner, DriftSpec.parse("remove:route"))
+    res = env.reset(TASK)
+    assert "route" not in [t["function"]["name"] for t in res.tools] and len(res.tools) == len(RESP) - 1
+    r = env.execute(ToolCall("route", {}))
+    assert not r.ok and r.error_kind == "unknown_tool" and inner.executed == []
+    # seeded choice: deterministic per task, always one of the tools
+    e1 = DriftEnv(Canned(RESP), DriftSpec.parse("remove,seed:1"))
+    e1.reset(TASK)
+    e2 = DriftEnv(Canned(RESP), DriftSpec.parse("remove,seed:1"))
+    e2.reset(TASK)
+    assert e1.removed == e2.removed and e1.removed in RESP
+
+
+def test_drift_on_builtin_keeps_state_and_scoring(tmp_path):
+    """Gold replay under response drift still scores 1.0 (the real env state and checker are
+    untouched) while the agent saw different responses; removing a needed tool breaks the task."""
+    suite = BuiltinSuite()
+    tasks = suite.tasks("test", 8)
+    spec = DriftSpec.parse("rename,units,formats,errors")
+    envs = []
+
+    def make(c):
+        envs.append(DriftEnv(suite.make_env(), spec))
+        return envs[-1]
+
+    done = run_items([("test", t) for t in tasks], make, GoldPolicy(), ResultStore(tmp_path / "a", {}),
+                     HarnessConfig(batch_size=4))
+    assert [r.score for r in done] == [1.0] * 8
+    assert sum(e.stats["changed"] for e in envs) > 0
+    assert sum(e.stats["changed"] for e in envs) == sum(e.stats["responses"] for e in envs)
+
+    def make_removed(c):
+        return DriftEnv(suite.make_env(), DriftSpec.parse("remove:get_balance"))
+
+    uses = [t for t in tasks if any(tc["function"]["name"] == "get_balance"
+                                    for m in t.gold for tc in m.get("tool_calls") or [])]
+    assert uses
+    done = run_items([("test", t) for t in uses], make_removed, GoldPolicy(),
+                     ResultStore(tmp_path / "b", {}), HarnessConfig(batch_size=4))
+    assert all(r.score == 0.0 for r in done)
