@@ -276,6 +276,11 @@ def test_registry_and_options():
         SUITE.tasks("dev")
     assert BuiltinSuite(level="1,3").levels == (1, 3) and BuiltinSuite(level=2).levels == (2,)
     assert BuiltinSuite(tools="all").task("train", 1).payload["tools"] == list(SCHEMAS)
+    small = BuiltinSuite(tools="task")
+    for i in range(12):
+        t = small.task("train", i)
+        assert set(t.payload["tools"]) == {tc["function"]["name"] for m in t.gold for tc in m.get("tool_calls") or []}
+        assert replay_gold(small, t).score == 1.0
     assert BuiltinSuite(level="easy", tools="domain").task("train", 0).payload["tools"] != \
         BuiltinSuite(level="easy").task("train", 0).payload["tools"]
     with pytest.raises(ValueError, match="no gold"):

@@ -12,7 +12,7 @@ from fastrehearse.envs.builtin.world import make_world
 SYSTEM_PROMPT = ("You are a helpful assistant with access to tools. Use the tools to look up what you "
                  "need or to make changes; then reply to the user with a short final answer.")
 LEVEL_PRESETS = {"easy": (0,), "mixed": (1, 2, 3), "all": (0, 1, 2, 3), "hard": (3,)}
-TOOL_MODES = ("auto", "domain", "all")
+TOOL_MODES = ("auto", "task", "domain", "all")
 SPLITS = ("train", "test")
 _DOMAIN_OF = {t: d for d, ts in DOMAINS.items() for t in ts}
 
@@ -63,7 +63,9 @@ class BuiltinSuite(Suite):
         default), "all", "hard" (= 3), an int 0-3, or a list of ints. Tasks rotate over the levels.
     n_train / n_test: how many tasks `tasks(split)` returns when no limit is given (any index is valid;
         tasks are generated on demand and cached).
-    tools: "auto" (the task's domain tools; at level 0 only the named tool), "domain", or "all".
+    tools: which tool schemas the model sees: "auto" (the task's domain tools, e.g. all 3 account
+        tools; at level 0 only the named tool), "task" (only the tools the gold solution uses: the
+        shortest prompts), "domain" (domain tools at every level), or "all" (all 15 tools).
     easy_answer: level 0 also requires the final answer to state the tool's result.
     seed: shifts the whole task set; splits stay disjoint for every seed.
     """
@@ -92,6 +94,9 @@ class BuiltinSuite(Suite):
             gold = g.pop("gold")
             if self.tool_mode == "all":
                 g["tools"] = list(SCHEMAS)
+            elif self.tool_mode == "task":   # only the tools the gold solution uses (short prompts)
+                used = {tc["function"]["name"] for m in gold for tc in m.get("tool_calls") or []}
+                g["tools"] = [t for t in SCHEMAS if t in used]
             elif self.tool_mode == "domain" or level > 0:
                 g["tools"] = sorted({t for name in g["tools"] for t in DOMAINS[_DOMAIN_OF[name]]},
                                     key=list(SCHEMAS).index)
