@@ -205,6 +205,11 @@ def test_bad_calls_return_errors():
         (ToolCall("get_balance", {"account_id": 5}), "bad_arguments"),
         (ToolCall("get_balance", {"account_id": "AC1", "x": 1}), "bad_arguments"),
         (ToolCall("transfer", {"from_account_id": acc[0], "to_account_id": acc[1], "amount": "5"}), "bad_arguments"),
+        (ToolCall("transfer", {"from_account_id": acc[0], "to_account_id": acc[1], "amount": 10**400}),
+         "bad_arguments"),
+        (ToolCall("transfer", {"from_account_id": acc[0], "to_account_id": acc[1], "amount": float("nan")}),
+         "bad_arguments"),
+        (ToolCall("get_balance", "AC0000"), "bad_arguments"),
         (ToolCall("get_balance", {"account_id": "AC0000"}), "domain_error"),
         (ToolCall("transfer", {"from_account_id": acc[0], "to_account_id": acc[1], "amount": 1e9}), "domain_error"),
         (ToolCall("transfer", {"from_account_id": acc[0], "to_account_id": acc[0], "amount": 1}), "domain_error"),
@@ -226,7 +231,7 @@ def test_numbers_and_answers():
     assert not check_answer({"kind": "number", "value": 7, "abs_tol": 0, "rel_tol": 0}, "7.5 units")
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.sampled_from([10**400, -10**20, 1e300]) | st.floats() | st.text(max_size=8),
                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
                     max_leaves=8)
 ARGS = st.one_of(
@@ -291,3 +296,39 @@ def test_importing_envs_does_not_import_benchmarks():
     code = "import sys, fastrehearse.envs; print('bfcl_eval' in sys.modules, 'tau2' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), k=st.integers(0, len(SAMPLE) - 1))
+def test_fuzz_call_sequences_keep_world_invariants(data, k):
+    """Well-typed calls over real entity values: never an env error, and the world stays consistent
+    (money is conserved, stock never negative, events never overlap)."""
+    suite = BuiltinSuite(level="all", tools="all")
+    task = suite.task(SAMPLE[k].split, int(SAMPLE[k].id.rsplit("-", 1)[1]))
+    env = suite.make_env()
+    env.reset(task)
+    w = env.world
+    pool = (sorted(w["accounts"]) + sorted(w["customers"]) + sorted(w["products"]) + sorted(w["orders"])
+            + sorted(w["events"]) + sorted({a["owner"] for a in w["accounts"].values()})
+            + sorted({p["name"] for p in w["products"].values()}) + sorted({e["date"] for e in w["events"].values()})
+            + ["09:00", "10:00", "17:30", "25:00", "", "Team sync", "USD", "km"])
+    value = {"string": st.sampled_from(pool) | st.text(max_size=6),
+             "number": st.floats(-100, 6000, allow_nan=False) | st.integers(-5, 6000),
+             "integer": st.integers(-2, 60)}
+    money = sum(a["balance"] for a in w["accounts"].values())
+    for _ in range(data.draw(st.integers(1, 12))):
+        name = data.draw(st.sampled_from(sorted(SCHEMAS)))
+        props = SCHEMAS[name]["function"]["parameters"]["properties"]
+        args = {a: data.draw(st.sampled_from(p["enum"]) if "enum" in p else value[p["type"]])
+                for a, p in props.items()}
+        res = env.execute(ToolCall(name, args))
+        assert res.error_kind in (None, "domain_error"), (name, args, res.content)
+        json.loads(res.content)
+    assert abs(sum(a["balance"] for a in w["accounts"].values()) - money) < 1e-6
+    assert all(p["stock"] >= 0 for p in w["products"].values())
+    by_date = {}
+    for e in w["events"].values():
+        by_date.setdefault(e["date"], []).append((e["start"], e["end"]))
+    for spans in by_date.values():
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))

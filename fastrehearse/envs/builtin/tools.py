@@ -85,6 +85,11 @@ DOMAINS = {
 }
 
 
+def _finite(x: int | float) -> bool:
+    # JSON allows any integer; beyond 1e15 money/quantities are meaningless and float math overflows.
+    return abs(x) < 1e15 if isinstance(x, int) else (math.isfinite(x) and abs(x) < 1e15)
+
+
 def check_arguments(name: str, arguments: Any) -> dict[str, Any]:
     """Arguments -> a clean dict matching SCHEMAS[name], or ToolError('bad_arguments', why)."""
     params = SCHEMAS[name]["function"]["parameters"]
@@ -105,13 +110,14 @@ def check_arguments(name: str, arguments: Any) -> dict[str, Any]:
         if typ == "string":
             ok = isinstance(value, str)
         elif typ == "number":
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value)
         else:  # integer: 3.0 is accepted as 3 (JSON has one number type)
-            ok = (isinstance(value, int) and not isinstance(value, bool)) or (
-                isinstance(value, float) and math.isfinite(value) and value.is_integer())
+            ok = (isinstance(value, int) and not isinstance(value, bool) and _finite(value)) or (
+                isinstance(value, float) and _finite(value) and value.is_integer())
             value = int(value) if ok else value
         if not ok:
-            raise ToolError("bad_arguments", f"{name}: argument {key!r} must be {typ}, got {value!r}")
+            raise ToolError("bad_arguments", f"{name}: argument {key!r} must be a finite {typ} "
+                                             f"(|x| < 1e15), got {str(value)[:40]}")
         if "enum" in spec and value not in spec["enum"]:
             raise ToolError("bad_arguments", f"{name}: argument {key!r} must be one of {spec['enum']}")
         out[key] = value
