@@ -29,31 +29,40 @@ def _grad_dtype(w: torch.Tensor) -> torch.dtype:
     return w.dtype if w.is_cuda else torch.float32
 
 
+def chunk_grad(x_c, w, z, t_c, lse_c, ent_c, g1_c, g2_c, inv_temp, backend, dx_out, dw_acc):
+    """One chunk of the backward: logits z (fp32 [C, V], consumed) -> dZ -> dX_c, dW.
+
+    dX_c is written into `dx_out` (a [C, H] view, or None); dZ^T X_c is added to the fp32
+    accumulator `dw_acc` (or None). g1_c = dL/dlogp, g2_c = dL/dH (fp32 [C] or None).
+    """
+    gdt = _grad_dtype(w)
+    out = z if gdt == torch.float32 else torch.empty(z.shape, device=z.device, dtype=gdt)
+    dz = row_grad(z, t_c, lse_c, ent_c, g1_c, g2_c, inv_temp, backend, out=out)
+    if dx_out is not None:
+        if dz.dtype == w.dtype:
+            torch.mm(dz, w, out=dx_out)
+        else:  # CPU with low-precision weights: fp32 GEMM, rounded once into dx
+            dx_out.copy_(torch.mm(dz, w.float()))
+    if dw_acc is not None:
+        addmm_f32_(dw_acc, dz.t(), x_c if dz.dtype == x_c.dtype else x_c.to(dz.dtype))
+
+
 def chunked_backward(x, w, t, lse, ent, g1, g2, inv_temp, backend, chunk, need_dx, need_dw):
-    """Shared backward sweep: returns (dX in x.dtype or None, dW fp32 or None).
+    """Backward sweep of linear_logprobs: returns (dX in x.dtype or None, dW fp32 or None).
 
     g1 = dL/dlogp [n] fp32 or None, g2 = dL/dH [n] fp32 or None (not both None).
     """
     n = x.shape[0]
     dx = torch.empty_like(x) if need_dx else None
     dw = torch.zeros(w.shape, device=w.device, dtype=torch.float32) if need_dw else None
-    gdt = _grad_dtype(w)
     for s in range(0, n, chunk):
         e = min(n, s + chunk)
         x_c = x[s:e]
         z = mm_f32(x_c, w.t())
-        out = z if gdt == torch.float32 else torch.empty(z.shape, device=z.device, dtype=gdt)
-        dz = row_grad(z, t[s:e], lse[s:e], None if ent is None else ent[s:e],
-                      None if g1 is None else g1[s:e], None if g2 is None else g2[s:e],
-                      inv_temp, backend, out=out)
+        chunk_grad(x_c, w, z, t[s:e], lse[s:e], None if ent is None else ent[s:e],
+                   None if g1 is None else g1[s:e], None if g2 is None else g2[s:e],
+                   inv_temp, backend, None if dx is None else dx[s:e], dw)
         del z
-        if need_dx:
-            if dz.dtype == w.dtype:
-                torch.mm(dz, w, out=dx[s:e])
-            else:  # CPU with low-precision weights: fp32 GEMM, rounded once into dx
-                dx[s:e] = torch.mm(dz, w.float())
-        if need_dw:
-            addmm_f32_(dw, dz.t(), x_c if dz.dtype == x_c.dtype else x_c.to(dz.dtype))
     return dx, dw
 
 

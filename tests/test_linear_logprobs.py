@@ -3,6 +3,8 @@
 The Triton backend runs under TRITON_INTERPRET=1 here (tests/conftest.py), with fp32/fp16 only
 (the interpreter's bf16 tl.dot is wrong, and the row kernels are what we exercise).
 """
+import zlib
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -33,22 +35,25 @@ def _maxabs(a, b):
     return float(d.max()) if d.numel() else 0.0
 
 
-def _inputs(n, h, v, *, seed, dtype=torch.float32, scale=1.0, shift=0.0, p_mask=0.3):
+def _inputs(n, h, v, *, seed, dtype=torch.float32, scale=1.0, negative=False, p_mask=0.3):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, h, generator=g).to(dtype)
     w = (torch.randn(v, h, generator=g) * (scale / h ** 0.5)).to(dtype)
-    if shift:  # every logit strongly negative (~ -shift): x >= 0, w <= 0 elementwise
-        x = x.abs()
-        w = -w.abs() * (shift / (0.64 * h ** 0.5 * scale))
+    if negative:
+        # Every logit in about [-190, -140] (a running max started at 0 underflows exp there).
+        # Small integers / quarters make X W^T exact in fp32, so the check isolates the softmax
+        # math from GEMM rounding (which at |z| ~ 160 alone is ~1e-4).
+        x = torch.randint(3, 5, (n, h), generator=g).to(dtype)
+        w = (-torch.randint(10, 14, (v, h), generator=g) / 4).to(dtype)
     t = torch.randint(0, v, (n,), generator=g)
     mask = torch.rand(n, generator=g) >= p_mask
     return x, w, t, mask
 
 
 def check_against_ref(backend, n, h, v, *, seed=0, temperature=1.0, with_entropy=True,
-                      use_mask=True, scale=1.0, shift=0.0, chunk_size=None, dtype=torch.float32,
+                      use_mask=True, scale=1.0, negative=False, chunk_size=None, dtype=torch.float32,
                       logp_tol=LOGP_TOL, grad_tol=GRAD_TOL, p_mask=0.3, grads=("logp", "ent")):
-    x, w, t, mask = _inputs(n, h, v, seed=seed, dtype=dtype, scale=scale, shift=shift,
+    x, w, t, mask = _inputs(n, h, v, seed=seed, dtype=dtype, scale=scale, negative=negative,
                             p_mask=p_mask)
     mask = mask if use_mask else None
     if mask is not None:  # masked targets may be garbage (e.g. -100): must be ignored
@@ -111,8 +116,7 @@ CASES = {
     "temperature": dict(n=23, h=40, v=517, temperature=0.7, chunk_size=5),
     "hot_temperature": dict(n=23, h=40, v=517, temperature=2.5),
     "large_logits": dict(n=19, h=16, v=700, scale=80.0, temperature=1.0, chunk_size=7),
-    # row max < -110 (exp underflows fp32): a running max started at 0 would give log(0)
-    "all_negative": dict(n=17, h=16, v=400, shift=600.0),
+    "all_negative": dict(n=17, h=16, v=400, negative=True),
     "no_entropy": dict(n=21, h=32, v=300, with_entropy=False),
     "entropy_grad_only": dict(n=21, h=32, v=300, grads=("ent",)),
     "logp_grad_only": dict(n=21, h=32, v=300, grads=("logp",)),
@@ -124,7 +128,7 @@ CASES = {
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_float64_reference(backend, case):
-    check_against_ref(backend, seed=hash(case) % 1000, **CASES[case])
+    check_against_ref(backend, seed=zlib.crc32(case.encode()) % 1000, **CASES[case])
 
 
 @pytest.mark.parametrize("h,v,n", [(576, 49152, 12), (128, 50257, 40), (8, 31999, 7)])
