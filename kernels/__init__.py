@@ -2,18 +2,15 @@
 
 Importable alone: depends on torch and triton only (no transformers, no trainer code), with a
 plain-tensor API so other RL trainers (verl, TRL, prime-rl, ...) can drop it in.
+
+    linear_logprobs(hidden, weight, targets, *, mask, temperature, with_entropy, backend)
+    linear_policy_loss(hidden, weight, targets, roles, advantages, old_logp, config, ...)
+
+See docs/kernels.md for the math and the design.
 """
+from .linear_logprobs import linear_logprobs
+from .policy_loss import PolicyLossConfig, PolicyLossOutput, linear_policy_loss
 from .roles import NUM_ROLES, Role
 
-__all__ = ["Role", "NUM_ROLES"]
-
-try:  # filled in by the kernel work; kept importable while pieces land
-    from .linear_logprobs import linear_logprobs  # noqa: F401
-    __all__.append("linear_logprobs")
-except ImportError:  # pragma: no cover
-    pass
-try:
-    from .policy_loss import PolicyLossConfig, PolicyLossOutput, linear_policy_loss  # noqa: F401
-    __all__ += ["PolicyLossConfig", "PolicyLossOutput", "linear_policy_loss"]
-except ImportError:  # pragma: no cover
-    pass
+__all__ = ["Role", "NUM_ROLES", "linear_logprobs", "linear_policy_loss", "PolicyLossConfig",
+           "PolicyLossOutput"]

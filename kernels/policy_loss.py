@@ -1,0 +1,424 @@
+"""Role-wise GRPO / PPO-clip loss fused with the LM-head projection (one pass, 6NHV FLOPs).
+
+For loss-bearing token t with role r = roles[t], logp_t from `linear_logprobs`, A_t = advantage:
+
+    ACT, REHEARSE:  ratio  rho = exp(logp - old_logp)
+                    l_pg   = max(-A rho, -A clip(rho, 1 - clip_low, 1 + clip_high))
+                    l_pg   = min(l_pg, -c A)          if dual_clip = c and A < 0
+                    l      = l_pg + kl_coef * KL(logp, ref_logp) - entropy_coef * H
+                        KL: k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = exp(ref - logp) - (ref - logp) - 1
+    OBSERVED:       l = -logp                          (supervised CE on real tool responses)
+    CONTEXT:        nothing (and no projection work)
+
+    loss = sum_r w_r * sum_{t in r} c_t * l_t,   c_t = 1 / n_r                    (default)
+                                                 c_t = token_weights[t]           (if given)
+
+n_r = normalizers[r] (global token counts: all-reduced over ranks, summed over micro-batches)
+or the role's token count in this call; a role with no tokens contributes 0. `token_weights`
+*replaces* 1/n_r (still times w_r): `fastrehearse.algo.aggregation` builds them for
+seq-mean-token-mean (GRPO) and seq-mean-token-sum-norm (Dr. GRPO). Roles with w_r = 0 are
+compacted out with CONTEXT: no projection work, exactly zero gradient, logp reported as 0.
+
+Fused path: dl/dlogp and dl/dH are known as soon as logp and H are, so each chunk does
+Z = X_c W^T -> row stats -> per-token dl/dlogp, dl/dH -> dZ in place -> dX_c = dZ W,
+dW += dZ^T X_c. Backward only scales the stored dX, dW by grad_output. 6NHV instead of 8NHV.
+Unfused path: `linear_logprobs` + the same loss written as plain autograd torch (the reference).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ._common import (check_linear_inputs, check_targets, chunk_rows, mm_f32, resolve_backend)
+from ._rows import row_stats
+from .linear_logprobs import chunk_grad, linear_logprobs
+from .roles import NUM_ROLES, Role
+
+__all__ = ["PolicyLossConfig", "PolicyLossOutput", "linear_policy_loss"]
+
+KL_TYPES = ("k1", "k2", "k3")
+_RL_ROLES = (int(Role.ACT), int(Role.REHEARSE))
+
+
+@dataclass
+class PolicyLossConfig:
+    w_act: float = 1.0
+    w_rehearse: float = 1.0
+    w_observed: float = 0.0
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None     # c > 1: caps the loss of negative-advantage tokens at -c A
+    kl_coef: float = 0.0
+    kl_type: str = "k3"                # k1, k2, k3 (low-variance, Schulman)
+    entropy_coef: float = 0.0
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        if self.kl_type == "low_var_kl":
+            self.kl_type = "k3"
+        if self.kl_type not in KL_TYPES:
+            raise ValueError(f"kl_type must be one of {KL_TYPES}, got {self.kl_type!r}")
+        if not (0.0 <= self.clip_low < 1.0) or self.clip_high < 0.0:
+            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got "
+                             f"clip_low={self.clip_low}, clip_high={self.clip_high}")
+        if self.dual_clip is not None and not self.dual_clip > 1.0:
+            raise ValueError(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
+        if not self.temperature > 0.0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+    def role_weights(self) -> list[float]:
+        return [0.0, float(self.w_act), float(self.w_rehearse), float(self.w_observed)]
+
+
+@dataclass
+class PolicyLossOutput:
+    loss: torch.Tensor                  # scalar, differentiable w.r.t. hidden and weight
+    logp: torch.Tensor                  # [N] float32, detached; 0 where no loss is computed
+    entropy: torch.Tensor | None        # [N] float32, detached (when entropy_coef != 0 or asked)
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # per role name
+
+
+# ---- per-token loss ----------------------------------------------------------------------------
+
+
+def token_loss(logp, ent, roles, adv, old, ref, cfg: PolicyLossConfig):
+    """Per-token loss l_t (autograd-friendly torch; the unfused path and the spec in code).
+
+    Selections use torch.where so NaN inputs at tokens of another role never leak in.
+    """
+    rl = (roles == int(Role.ACT)) | (roles == int(Role.REHEARSE))
+    adv = torch.where(rl, adv, torch.zeros_like(adv))
+    old = torch.where(rl, old, logp.detach())
+    ratio = torch.exp(logp - old)
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high))
+    if cfg.dual_clip is not None:
+        pg = torch.where(adv < 0, torch.minimum(pg, -cfg.dual_clip * adv), pg)
+    l_rl = pg
+    if cfg.kl_coef != 0.0:
+        ref = torch.where(rl, ref, logp.detach())
+        l_rl = l_rl + cfg.kl_coef * _kl(logp, ref, cfg.kl_type)
+    if cfg.entropy_coef != 0.0:
+        l_rl = l_rl - cfg.entropy_coef * ent
+    obs = roles == int(Role.OBSERVED)
+    return torch.where(rl, l_rl, torch.where(obs, -logp, torch.zeros_like(logp)))
+
+
+def _kl(logp, ref, kl_type):
+    d = ref - logp
+    if kl_type == "k1":
+        return -d
+    if kl_type == "k2":
+        return 0.5 * d * d
+    return torch.exp(d) - d - 1.0
+
+
+def _token_terms(logp, ent, roles, adv, old, ref, scale, cfg: PolicyLossConfig):
+    """Fused path: per-token loss l_t and its explicit derivatives (fp32 [C] vectors).
+
+    Returns (l, dl/dlogp, dl/dH or None, stats) where the derivatives already include the
+    per-token factor scale_t = w_r * c_t; stats = (ratio, clipped, dual_clipped, kl).
+    Derivatives of l_pg: -A rho on the unclipped branch, 0 where clip or dual clip is active.
+    """
+    rl = (roles == int(Role.ACT)) | (roles == int(Role.REHEARSE))
+    zero = torch.zeros_like(logp)
+    adv = torch.where(rl, adv, zero)
+    ratio = torch.exp(logp - torch.where(rl, old, logp))
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    clipped = pg2 > pg1
+    pg = torch.maximum(pg1, pg2)
+    d_pg = torch.where(clipped, zero, pg1)       # d(-A rho)/dlogp = -A rho
+    dual = torch.zeros_like(clipped)
+    if cfg.dual_clip is not None:
+        cap = -cfg.dual_clip * adv
+        dual = (adv < 0) & (pg > cap)
+        pg = torch.where(dual, cap, pg)
+        d_pg = torch.where(dual, zero, d_pg)
+    l, g1 = pg, d_pg
+    kl = None
+    if cfg.kl_coef != 0.0:
+        d = torch.where(rl, ref, logp) - logp
+        kl = _kl(logp, logp + d, cfg.kl_type)
+        dkl = {"k1": torch.ones_like(d), "k2": -d, "k3": 1.0 - torch.exp(d)}[cfg.kl_type]
+        l = l + cfg.kl_coef * kl
+        g1 = g1 + cfg.kl_coef * dkl
+    g2 = None
+    if cfg.entropy_coef != 0.0:
+        l = l - cfg.entropy_coef * ent
+        g2 = torch.where(rl, -cfg.entropy_coef * scale, zero)
+    obs = roles == int(Role.OBSERVED)
+    l = torch.where(rl, l, torch.where(obs, -logp, zero))
+    g1 = torch.where(rl, g1, torch.where(obs, -torch.ones_like(logp), zero)) * scale
+    return l, g1, g2, (ratio, clipped & rl, dual & rl, kl)
+
+
+# ---- fused autograd function -------------------------------------------------------------------
+
+
+class _Plan:
+    """Everything the fused forward needs besides (x, w), and the per-token results it leaves."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class _FusedPolicyLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, plan):
+        need_dx, need_dw = plan.need_dx, plan.need_dw
+        loss, n = _fused_sweep(x, w, plan, need_dx, need_dw)
+        ctx.save_for_backward(plan.dx if need_dx else None, plan.dw if need_dw else None)
+        ctx.used = False
+        plan.dx = plan.dw = None
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.used:
+            raise RuntimeError("the fused policy loss stores its gradients and can be "
+                               "backpropagated once; use fused=False for retain_graph / "
+                               "higher-order use")
+        ctx.used = True
+        dx, dw = ctx.saved_tensors
+        # grad_out is the scalar upstream gradient (1.0, or a loss scale); scale in place.
+        g = grad_out.to(torch.float32)
+        if dx is not None:
+            dx.mul_(g.to(dx.dtype))
+        if dw is not None:
+            dw.mul_(g.to(dw.dtype))
+        return dx, dw, None
+
+
+def _fused_sweep(x, w, plan, need_dx, need_dw):
+    n, v = x.shape[0], w.shape[0]
+    dev = x.device
+    plan.logp = torch.empty(n, device=dev, dtype=torch.float32)
+    plan.ent = torch.empty(n, device=dev, dtype=torch.float32) if plan.with_entropy else None
+    plan.ratio = torch.empty(n, device=dev, dtype=torch.float32)
+    plan.clipped = torch.empty(n, device=dev, dtype=torch.bool)
+    plan.dual = torch.empty(n, device=dev, dtype=torch.bool)
+    plan.kl = torch.empty(n, device=dev, dtype=torch.float32) if plan.cfg.kl_coef else None
+    loss_parts = torch.zeros(NUM_ROLES, device=dev, dtype=torch.float32)
+    dx = torch.empty_like(x) if need_dx else None
+    dw = torch.zeros(w.shape, device=dev, dtype=torch.float32) if need_dw else None
+    grad = need_dx or need_dw
+    inv_temp = plan.inv_temp
+    for s in range(0, n, plan.chunk):
+        e = min(n, s + plan.chunk)
+        x_c, t_c = x[s:e], plan.t[s:e]
+        z = mm_f32(x_c, w.t())
+        lp, h, lse = row_stats(z, t_c, inv_temp, plan.with_entropy, plan.backend)
+        l, g1, g2, (ratio, clipped, dual, kl) = _token_terms(
+            lp, h, plan.roles[s:e], plan.adv[s:e], plan.old[s:e],
+            None if plan.ref is None else plan.ref[s:e], plan.scale[s:e], plan.cfg)
+        loss_parts.index_add_(0, plan.roles[s:e], l * plan.scale[s:e])
+        plan.logp[s:e] = lp
+        if plan.ent is not None:
+            plan.ent[s:e] = h
+        plan.ratio[s:e], plan.clipped[s:e], plan.dual[s:e] = ratio, clipped, dual
+        if kl is not None:
+            plan.kl[s:e] = kl
+        if grad:
+            chunk_grad(x_c, w, z, t_c, lse, h, g1, g2, inv_temp, plan.backend,
+                       None if dx is None else dx[s:e], dw)
+        del z
+    plan.dx = dx
+    plan.dw = None if dw is None else dw.to(w.dtype)
+    plan.loss_parts = loss_parts
+    return loss_parts.sum(), n
+
+
+# ---- input handling ----------------------------------------------------------------------------
+
+
+def _check_vec(name, t, n, device, *, required=True):
+    if t is None:
+        if required:
+            raise ValueError(f"{name} is required")
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 1 or t.shape[0] != n:
+        raise ValueError(f"{name} must have shape [N]=[{n}], got {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise ValueError(f"{name} must be a float tensor, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but hidden is on {device}")
+    return t
+
+
+def _role_counts(roles):
+    """Per-role token counts (one host sync); raises on role ids outside Role."""
+    r = roles.long()
+    bad = (r < 0) | (r >= NUM_ROLES)
+    counts = torch.bincount(torch.where(bad, NUM_ROLES, r), minlength=NUM_ROLES + 1).tolist()
+    if counts[NUM_ROLES]:
+        k = int(bad.nonzero()[0, 0])
+        raise ValueError(f"roles[{k}] = {int(r[k])} is not a Role id "
+                         f"(expected 0..{NUM_ROLES - 1}: {[x.name for x in Role]})")
+    return counts[:NUM_ROLES]
+
+
+def _normalizers(normalizers, counts, weights):
+    if normalizers is None:
+        return [float(c) for c in counts]
+    if isinstance(normalizers, torch.Tensor):
+        normalizers = normalizers.detach().reshape(-1).double().cpu().tolist()
+    normalizers = [float(v) for v in normalizers]
+    if len(normalizers) != NUM_ROLES:
+        raise ValueError(f"normalizers must have one entry per Role ({NUM_ROLES}), "
+                         f"got {len(normalizers)}")
+    for r in range(1, NUM_ROLES):
+        if weights[r] != 0.0 and counts[r] > 0 and not normalizers[r] > 0.0:
+            raise ValueError(f"normalizers[{r}] ({Role(r).name}) = {normalizers[r]} but this "
+                             f"call has {counts[r]} {Role(r).name} tokens: must be > 0")
+    return normalizers
+
+
+def _check_finite(rows_roles, named, rows):
+    """One fused isfinite reduction over the loss-bearing values; names the culprit on error."""
+    vals = [(name, v, rl_only) for name, v, rl_only in named if v is not None]
+    if not vals:
+        return
+    rl = (rows_roles == int(Role.ACT)) | (rows_roles == int(Role.REHEARSE))
+    oks = [torch.isfinite(v) | (~rl if rl_only else False) for _, v, rl_only in vals]
+    ok = torch.stack(oks)
+    if bool(ok.all()):
+        return
+    for (name, v, _), o in zip(vals, oks):
+        if not bool(o.all()):
+            k = int((~o).nonzero()[0, 0])
+            raise ValueError(f"{name}[{int(rows[k])}] = {float(v[k])} is not finite at a "
+                             f"loss-bearing token (check_finite=True)")
+
+
+def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                       roles: torch.Tensor, advantages: torch.Tensor, old_logp: torch.Tensor,
+                       config: PolicyLossConfig | None = None, *,
+                       ref_logp: torch.Tensor | None = None,
+                       normalizers: torch.Tensor | Sequence[float] | None = None,
+                       token_weights: torch.Tensor | None = None, backend: str = "auto",
+                       fused: bool = True, with_entropy: bool = False,
+                       check_finite: bool = True,
+                       chunk_size: int | None = None) -> PolicyLossOutput:
+    """Role-wise GRPO loss of the tokens `targets` under softmax(hidden @ weight.T / T).
+
+    Args:
+        hidden [N, H], weight [V, H], targets [N]: as in `linear_logprobs`.
+        roles: [N] integer Role ids (role of each *target* token).
+        advantages, old_logp: [N] float; read at ACT/REHEARSE tokens only (NaN elsewhere is fine).
+        config: PolicyLossConfig (default: PolicyLossConfig()).
+        ref_logp: [N] float, required when config.kl_coef != 0.
+        normalizers: per-role token counts n_r, length NUM_ROLES (index = Role id), e.g. global
+            counts all-reduced over ranks and summed over micro-batches. Default: this call's
+            counts.
+        token_weights: [N] float per-token c_t replacing 1/n_r (see module docstring).
+        fused: one-pass fused kernel (True) or linear_logprobs + torch loss (False, reference).
+        with_entropy: compute the entropy even when entropy_coef == 0 (for metrics).
+        check_finite: raise ValueError on NaN/inf advantages/old_logp/ref_logp/token_weights at
+            loss-bearing tokens (one reduction + sync; disable in hot loops if inputs are trusted).
+    """
+    cfg = PolicyLossConfig() if config is None else config
+    check_linear_inputs(hidden, weight, targets)
+    n, v, dev = hidden.shape[0], weight.shape[0], hidden.device
+    if not isinstance(roles, torch.Tensor) or roles.dim() != 1 or roles.shape[0] != n:
+        raise ValueError(f"roles must be a tensor of shape [N]=[{n}]")
+    if roles.is_floating_point() or roles.dtype == torch.bool or roles.device != dev:
+        raise ValueError(f"roles must be an integer tensor on {dev}, got {roles.dtype} "
+                         f"on {roles.device}")
+    _check_vec("advantages", advantages, n, dev)
+    _check_vec("old_logp", old_logp, n, dev)
+    _check_vec("ref_logp", ref_logp, n, dev, required=cfg.kl_coef != 0.0)
+    _check_vec("token_weights", token_weights, n, dev, required=False)
+    backend = resolve_backend(backend, dev)
+
+    weights = cfg.role_weights()
+    counts = _role_counts(roles)
+    norms = _normalizers(normalizers, counts, weights)
+    w_vec = torch.tensor(weights, device=dev, dtype=torch.float32)
+    roles_l = roles.long()
+    rows = (w_vec[roles_l] != 0).nonzero().view(-1)
+    r_c = roles_l.index_select(0, rows)
+    t_c = targets.index_select(0, rows)
+    check_targets(t_c, rows, v)
+    pick = lambda t: None if t is None else t.index_select(0, rows).float()  # noqa: E731
+    adv_c, old_c, ref_c, tw_c = (pick(advantages), pick(old_logp),
+                                 pick(ref_logp if cfg.kl_coef != 0.0 else None),
+                                 pick(token_weights))
+    if check_finite:
+        _check_finite(r_c, [("advantages", adv_c, True), ("old_logp", old_c, True),
+                            ("ref_logp", ref_c, True), ("token_weights", tw_c, False)], rows)
+    if tw_c is None:
+        inv_n = torch.tensor([1.0 / c if c > 0 else 0.0 for c in norms], device=dev,
+                             dtype=torch.float64).float()
+        scale = w_vec[r_c] * inv_n[r_c]
+    else:
+        scale = w_vec[r_c] * tw_c
+    with_ent = bool(with_entropy) or cfg.entropy_coef != 0.0
+    inv_temp = 1.0 / float(cfg.temperature)
+    x_c = hidden.index_select(0, rows)
+
+    if fused:
+        plan = _Plan(t=t_c.long().contiguous(), roles=r_c, adv=adv_c, old=old_c, ref=ref_c,
+                     scale=scale, cfg=cfg, inv_temp=inv_temp, with_entropy=with_ent,
+                     backend=backend, chunk=chunk_rows(rows.numel(), v, dev, chunk_size))
+        grad_on = torch.is_grad_enabled()
+        plan.need_dx = grad_on and hidden.requires_grad
+        plan.need_dw = grad_on and weight.requires_grad
+        if plan.need_dx or plan.need_dw:
+            loss = _FusedPolicyLoss.apply(x_c.contiguous(), weight.contiguous(), plan)
+        else:
+            loss, _ = _fused_sweep(x_c.contiguous(), weight.contiguous(), plan, False, False)
+        lp_c, ent_c, kl_c = plan.logp, plan.ent, plan.kl
+        ratio, clipped, dual = plan.ratio, plan.clipped, plan.dual
+        parts = plan.loss_parts
+    else:
+        lp_c, ent_c = linear_logprobs(x_c, weight, t_c, temperature=cfg.temperature,
+                                      with_entropy=with_ent, backend=backend,
+                                      chunk_size=chunk_size)
+        l = token_loss(lp_c, ent_c, r_c, adv_c, old_c, ref_c, cfg)
+        contrib = l * scale
+        loss = contrib.sum()
+        with torch.no_grad():
+            _, _, _, (ratio, clipped, dual, kl_c) = _token_terms(
+                lp_c.detach(), None if ent_c is None else ent_c.detach(), r_c, adv_c, old_c,
+                ref_c, scale, PolicyLossConfig(**{**cfg.__dict__, "entropy_coef": 0.0}))
+            parts = torch.zeros(NUM_ROLES, device=dev).index_add_(0, r_c, contrib.detach())
+        lp_c = lp_c.detach()
+        ent_c = None if ent_c is None else ent_c.detach()
+
+    logp = torch.zeros(n, device=dev, dtype=torch.float32).index_put_((rows,), lp_c)
+    ent = None
+    if ent_c is not None:
+        ent = torch.zeros(n, device=dev, dtype=torch.float32).index_put_((rows,), ent_c)
+    metrics = _metrics(counts, r_c, lp_c, ent_c, ratio, clipped, dual, kl_c, parts)
+    return PolicyLossOutput(loss=loss, logp=logp, entropy=ent, metrics=metrics)
+
+
+def _metrics(counts, r_c, lp_c, ent_c, ratio, clipped, dual, kl_c, parts):
+    """Per-role means over the computed tokens, gathered with one host sync."""
+    dev = lp_c.device
+    stats = {"ratio": ratio, "clip_frac": clipped.float(), "dual_clip_frac": dual.float(),
+             "nll": -lp_c}
+    if kl_c is not None:
+        stats["kl"] = kl_c
+    if ent_c is not None:
+        stats["entropy"] = ent_c
+    k = torch.zeros(NUM_ROLES, device=dev).index_add_(0, r_c, torch.ones_like(lp_c))
+    sums = torch.stack([torch.zeros(NUM_ROLES, device=dev).index_add_(0, r_c, v.float())
+                        for v in stats.values()])
+    means = (sums / k.clamp_min(1)).tolist()
+    parts = parts.tolist()
+    out = {}
+    for role in Role:
+        if role == Role.CONTEXT:
+            continue
+        m = {"tokens": float(counts[role]), "loss": parts[role]}
+        for i, name in enumerate(stats):
+            if role == Role.OBSERVED and name in ("ratio", "clip_frac", "dual_clip_frac", "kl"):
+                continue
+            m[name] = means[i][role]
+        out[role.name.lower()] = m
+    return out
