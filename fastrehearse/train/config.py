@@ -44,7 +44,6 @@ class EnvConfig:
     train_split: str = "train"
     eval_split: str = "test"
     max_train_tasks: int | None = None
-    num_eval_tasks: int = 16                      # held-out tasks for the before/after table
 
 
 @dataclass
@@ -58,7 +57,20 @@ class RolloutConfig:
     max_new_tokens: int = 128       # per generated turn
     max_turns: int = 6
     max_episode_tokens: int = 2048
-    options: dict = field(default_factory=dict)  # extra engine keyword arguments
+    measure_fidelity: bool = True   # also execute rehearsed calls (never shown to the model) to
+                                    # score the world model: exact match / JSON field F1
+    options: dict = field(default_factory=dict)  # extra fastrehearse.rollout.RolloutConfig fields
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation before and after training (the final table)."""
+    num_tasks: int = 16             # tasks of env.eval_split
+    mode: str = "real"              # how success is measured: tools executed for real
+    temperature: float = 0.0        # greedy
+    fidelity: bool = True           # extra rehearse-mode pass scoring rehearsed vs real responses
+    before: bool = True
+    after: bool = True
 
 
 @dataclass
@@ -73,7 +85,7 @@ class LossConfig:
     kl_coef: float = 0.0
     kl_type: str = "k3"
     entropy_coef: float = 0.0
-    temperature: float = 1.0
+    temperature: float | None = None   # None: rollout.temperature (the ratio needs the same one)
 
 
 @dataclass
@@ -134,11 +146,10 @@ class TrainConfig:
     max_tokens: int = 4096          # token budget of one packed micro-batch
     device: str = "auto"            # auto | cpu | cuda
     max_consecutive_skips: int = 3  # non-finite loss/grad-norm steps in a row before giving up
-    eval_before: bool = True
-    eval_after: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -277,6 +288,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"config key '{key}' must be {'>= 0' if zero_ok else '> 0'}, got {value}")
 
     choice("rollout.mode", cfg.rollout.mode, ROLLOUT_MODES)
+    choice("eval.mode", cfg.eval.mode, ROLLOUT_MODES)
     choice("algo.aggregation", cfg.algo.aggregation, AGGREGATIONS)
     choice("algo.loss.kl_type", cfg.algo.loss.kl_type, KL_TYPES)
     choice("model.precision", cfg.model.precision, PRECISIONS)
@@ -287,7 +299,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         positive(key, _get(cfg, key))
     for key in ("steps", "sft.steps", "optim.lr", "sft.lr", "optim.grad_clip", "optim.warmup_steps",
                 "checkpoint.every", "algo.loss.kl_coef", "algo.loss.clip_low", "algo.loss.clip_high",
-                "log.plot_every", "env.num_eval_tasks"):
+                "log.plot_every", "eval.num_tasks", "eval.temperature"):
         positive(key, _get(cfg, key), zero_ok=True)
     positive("checkpoint.keep", cfg.checkpoint.keep)
     positive("rollout.temperature", cfg.rollout.temperature)
@@ -296,6 +308,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.algo.loss.dual_clip is not None and cfg.algo.loss.dual_clip <= 1.0:
         raise ConfigError(f"config key 'algo.loss.dual_clip' must be > 1 (or null), got "
                           f"{cfg.algo.loss.dual_clip}")
+    t = cfg.algo.loss.temperature
+    if t is not None and cfg.rollout.temperature > 0 and t != cfg.rollout.temperature:
+        raise ConfigError(f"config key 'algo.loss.temperature' ({cfg.algo.loss.temperature}) must equal "
+                          f"'rollout.temperature' ({cfg.rollout.temperature}): the importance ratio "
+                          f"compares log-probs of the same tempered distribution")
     if len(cfg.optim.betas) != 2:
         raise ConfigError(f"config key 'optim.betas' must have 2 entries, got {cfg.optim.betas}")
     if cfg.max_tokens < cfg.rollout.max_episode_tokens:

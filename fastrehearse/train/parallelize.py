@@ -76,9 +76,12 @@ def mixed_precision(precision: str, device: torch.device):
     slow on CPU and the Triton interpreter mis-computes bf16 dots)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
     use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    # cast_forward_inputs=False: the forward's input is a PackedBatch whose advantages / old
+    # log-probs must stay fp32 (the module casts its own activations).
     if use_bf16:
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                    cast_forward_inputs=False)
+    return MixedPrecisionPolicy(cast_forward_inputs=False)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

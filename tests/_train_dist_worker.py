@@ -1,0 +1,76 @@
+"""Worker for tests/test_train_distributed.py: one SFT update and two RL updates (token-mean, then
+seq-mean-token-mean) of the trainer's own `policy_update` on fixed episodes, run alone or under torchrun (any world size / node count).
+
+Rank 0 saves {"losses", "grads" (full, unsharded), "params_after"} to argv[1].
+"""
+import sys
+
+import torch
+
+from fastrehearse.data import Episode
+from fastrehearse.kernels.roles import Role
+from fastrehearse.train.config import load_config
+from fastrehearse.train.loop import compute_advantages, policy_update, setup
+from fastrehearse.train.parallelize import destroy_distributed, init_distributed
+from fastrehearse.algo import AdvantageConfig
+
+
+def episodes(vocab: int, n: int = 10) -> list[Episode]:
+    """Fixed random episodes: a CONTEXT prompt, then ACT / REHEARSE / OBSERVED / ACT turns."""
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for i in range(n):
+        parts = [(Role.CONTEXT, 7 + i % 5), (Role.ACT, 4 + i % 3), (Role.REHEARSE, 3 + i % 4),
+                 (Role.CONTEXT, 2), (Role.OBSERVED, 2 + i % 2), (Role.ACT, 3 + (i * 7) % 5)]
+        roles = [int(r) for r, k in parts for _ in range(k)]
+        ids = torch.randint(0, vocab, (len(roles),), generator=g).tolist()
+        out.append(Episode(input_ids=ids, roles=roles, task_id=f"task{i // 3}",
+                           reward=float(torch.rand((), generator=g) > 0.5),
+                           role_rewards={int(Role.REHEARSE): float(torch.rand((), generator=g))}))
+    return out
+
+
+def grads(model) -> dict:
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        gr = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        out[name] = gr.detach().clone()
+    return out
+
+
+def params(model) -> dict:
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def main(out_path: str, *overrides: str) -> None:
+    cfg = load_config("configs/smoke.yaml", ["run_dir=/tmp/_fr_dist_unused", "eval.num_tasks=0",
+                                              "log.progress=false", "algo.loss.w_observed=0.5",
+                                              "algo.loss.entropy_coef=0.01", "max_tokens=64",
+                                              "rollout.max_episode_tokens=64", *overrides])
+    info = init_distributed("cpu")
+    run = setup(cfg, info)
+    eps = episodes(len(run.tokenizer))
+    res = {"world_size": info.world_size, "losses": [], "grads": [], "metrics": []}
+    row = policy_update(run, eps, stage="sft")
+    res["losses"].append(row["loss"])
+    res["grads"].append(grads(run.policy))
+    compute_advantages(eps, AdvantageConfig())
+    row = policy_update(run, eps, stage="rl")
+    res["losses"].append(row["loss"])
+    res["grads"].append(grads(run.policy))
+    run.cfg.algo.aggregation = "seq-mean-token-mean"     # per-episode means, global episode counts
+    row = policy_update(run, eps, stage="rl")
+    res["losses"].append(row["loss"])
+    res["grads"].append(grads(run.policy))
+    res["params_after"] = params(run.policy)
+    res["metrics"].append(row)
+    if info.is_main:
+        torch.save(res, out_path)
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
