@@ -241,7 +241,7 @@ ARGS = st.one_of(
     st.dictionaries(st.text(max_size=6), JSON, max_size=3), JSON)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.one_of(st.sampled_from(sorted(SCHEMAS)), st.text(max_size=12), st.integers(), st.none()),
        args=ARGS, k=st.integers(0, len(SAMPLE) - 1))
 def test_fuzz_execute_never_raises(name, args, k):
@@ -256,7 +256,7 @@ def test_fuzz_execute_never_raises(name, args, k):
     json.dumps(env.world, sort_keys=True, allow_nan=False)         # state stays serializable
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(msgs=st.lists(st.one_of(JSON, st.fixed_dictionaries({
     "role": st.sampled_from(["assistant", "tool", "user"]), "content": JSON,
     "tool_calls": st.lists(st.one_of(JSON, st.fixed_dictionaries({"function": st.fixed_dictionaries({
