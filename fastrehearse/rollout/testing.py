@@ -176,3 +176,43 @@ def calc_tasks(n: int) -> list[Task]:
     return [Task(id=f"calc-{i}", split="test",
                  payload={"question": f"Add {i} and {i + 1}.", "answer": str(2 * i + 1)})
             for i in range(n)]
+
+
+class ScriptedBias:
+    """A logits processor for tests: adds `bias` to the next token of a script while the current
+    segment (the trailing run of tokens with the role being sampled) is a prefix of that script, so
+    a tiny random model emits tool calls / responses / answers often but not always (it deviates
+    with probability ~V / (V + e^bias) per token, which exercises malformed and truncated paths).
+    A pure function of (context, roles), as the engine requires."""
+
+    def __init__(self, template, *, bias: float = 15.0, parallel: bool = False):
+        from fastrehearse.rollout.template import format_tool_call
+        enc, end = template.encode, template.assistant_end_markers[0]
+        call = format_tool_call("add", {"a": 2, "b": 3})
+        if parallel:
+            call += "\n" + format_tool_call("lookup", {"key": "x"})
+        self.call_script = enc(call + end)
+        self.answer_script = enc("The answer is 5." + end)
+        self.tool_script = enc('{"result": 5}') + enc(template.scaffolding.texts["tool_to_assistant"]
+                                                      .split(template.tool_end_markers[0])[0]
+                                                      + template.tool_end_markers[0])
+        self.bias = bias
+
+    def script(self, ids, roles, role):
+        from fastrehearse.kernels.roles import Role
+        if role == Role.REHEARSE:
+            return self.tool_script
+        seen_tool = any(r in (Role.REHEARSE, Role.OBSERVED) for r in roles)
+        return self.answer_script if seen_tool else self.call_script
+
+    def __call__(self, contexts, context_roles, sample_roles, logits):
+        logits = logits.clone()
+        for i, (ids, roles, role) in enumerate(zip(contexts, context_roles, sample_roles)):
+            n = 0
+            while n < len(roles) and roles[-1 - n] == role:
+                n += 1
+            seg = ids[len(ids) - n:]
+            script = self.script(ids, roles, role)
+            if n < len(script) and script[:n] == seg:
+                logits[i, script[n]] += self.bias
+        return logits

@@ -1,0 +1,561 @@
+"""World-rehearsal rollout: many episodes at once, one KV cache, the role swap inline.
+
+Every episode is one token sequence that only ever grows. A per-row state machine (`_Row`) decides
+what comes next; the batched decode loop (`RolloutEngine._decode`) feeds every live row its pending
+tokens each step (the token it just sampled, or forced scaffolding / observed text, several per step
+when that keeps the batch busy) and samples the rows that are waiting for the model:
+
+  policy turn (ACT)  --turn ends, calls parsed-->  force "close assistant + open tool turn"
+     per call:  rehearse  -> the same model writes the response (REHEARSE) until the tool-turn end
+                real      -> env.execute(call); its text is forced (OBSERVED)
+                malformed -> an error message is forced (OBSERVED), or the episode ends
+     force "close tool + reopen assistant"  -->  next policy turn
+  final answer (a turn without calls) / max_turns / token limits  -->  env.score -> reward
+
+Token in, token out: episode tokens are exactly the sampled ids plus forced ids; generated text is
+decoded only to detect stops and parse calls, never re-tokenized. The rollout log-prob of each
+sampled token is log_softmax(logits / temperature) (NaN for forced tokens).
+
+`rehearsal="separate"` replaces inline rehearsal by the paper-code style: a fresh simulator prompt
+(the conversation so far + the call) is prefilled and decoded per call, and its tokens are copied
+into the episode. It exists to benchmark the two (benchmarks/bench_rollout.py).
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from fastrehearse.data import Episode
+from fastrehearse.envs.base import Suite, Task, ToolCall, ToolEnv, Trajectory
+from fastrehearse.kernels.roles import Role
+from fastrehearse.rollout.backend import Generator, HFGenerator
+from fastrehearse.rollout.fidelity import FidelityScore, aggregate, score_pair
+from fastrehearse.rollout.sampling import sample
+from fastrehearse.rollout.template import TOOL_CALL_CLOSE, ChatTemplate
+from fastrehearse.rollout.toolcall import ParsedCall, parse_tool_calls
+
+MODES = ("rehearse", "real", "hybrid")
+MALFORMED_OUTCOMES = ("error_response", "end_episode")
+REHEARSALS = ("inline", "separate")
+
+# logits_processor(contexts, context_roles, sample_roles, logits) -> logits: contexts[i] / context_roles[i]
+# are row i's tokens and roles so far, sample_roles[i] the role of the token about to be sampled (ACT
+# or REHEARSE). It must be a pure function of its inputs (the recorded log-probs are of the processed
+# distribution, so a trainer re-forward has to apply it too). Constrained decoding and tests use it.
+LogitsProcessor = Callable[[list[list[int]], list[list[int]], list[Role], torch.Tensor], torch.Tensor]
+
+SIMULATOR_SYSTEM = ("You simulate the tool environment of an AI agent. Given the conversation so far and "
+                    "the agent's latest tool call, reply with exactly the response the tool would "
+                    "return (usually JSON) and nothing else.")
+
+
+@dataclass
+class RolloutConfig:
+    mode: str = "rehearse"              # rehearse | real | hybrid
+    hybrid_p: float = 0.5               # hybrid: probability that a call is executed for real
+    measure_fidelity: bool = False      # rehearsed calls are also executed (for measurement only)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 128           # per generated turn (policy turn or rehearsed response)
+    max_turns: int = 6                  # policy turns per episode
+    max_episode_tokens: int = 2048      # prompt included: an episode never exceeds it
+    parallel_tool_calls: bool = True    # True: a turn ends at its end-of-turn marker and may hold
+                                        # several calls; False: it stops at the first </tool_call>
+    on_malformed: str = "error_response"  # or "end_episode"
+    malformed_reward: float | None = 0.0  # reward of an episode with a malformed call (None: score)
+    max_batch_size: int = 64            # episodes decoded together
+    max_chunk: int = 64                 # most forced tokens fed to one row in one step
+    rehearsal: str = "inline"           # inline | separate (benchmark baseline)
+
+    def validate(self) -> None:
+        def choice(name, allowed):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"RolloutConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        choice("mode", MODES)
+        choice("on_malformed", MALFORMED_OUTCOMES)
+        choice("rehearsal", REHEARSALS)
+        if not 0.0 <= self.hybrid_p <= 1.0:
+            raise ValueError(f"RolloutConfig.hybrid_p must be in [0, 1], got {self.hybrid_p}")
+        if self.temperature < 0:
+            raise ValueError(f"RolloutConfig.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"RolloutConfig.top_p must be in (0, 1], got {self.top_p}")
+        for name in ("max_new_tokens", "max_turns", "max_episode_tokens", "max_batch_size", "max_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class Prompt:
+    """A row to generate from: a token prefix ending where the policy speaks (after a generation
+    prompt). `env` None means private rehearsal: every call is rehearsed, nothing is executed."""
+    input_ids: list[int]
+    roles: list[int]
+    tools: list[dict]
+    messages: list[dict] = field(default_factory=list)  # the prefix as chat messages (simulator mode)
+    task: Task | None = None
+    env: ToolEnv | None = None
+    seed: int = 0
+
+
+@dataclass
+class RolloutResult:
+    episodes: list[Episode]
+    trajectories: list[Trajectory]
+    metrics: dict[str, Any]
+
+
+class _Row:
+    """One episode's state machine. Phases: "act" (policy sampling), "tool" (rehearsing a response),
+    "done". Appending tokens and deciding what comes next happens here; the decode loop only feeds
+    `pending` and samples rows whose `pending` is empty."""
+
+    def __init__(self, eng: "RolloutEngine", index: int, prompt: Prompt):
+        self.eng, self.cfg, self.tmpl = eng, eng.config, eng.template
+        self.index, self.p = index, prompt
+        self.ids = list(prompt.input_ids)
+        self.roles = [int(r) for r in prompt.roles]
+        self.logps = [math.nan] * len(self.ids)
+        self.pending: deque[int] = deque(self.ids)   # appended but not yet fed to the model
+        self.head_sampled = False                     # is pending[0] a token the model sampled?
+        self.phase = "act"
+        self.seg_start = len(self.ids)
+        self.turns = 0
+        self.stop_reason = ""
+        self.queue: list[tuple[ParsedCall, str]] = []
+        self.traj = Trajectory()
+        self.malformed: Counter = Counter()
+        self.call_log: list[dict] = []
+        self.fidelity: list[FidelityScore] = []
+        self.rng = random.Random(prompt.seed * 1_000_003 + 17)
+        self.gen = torch.Generator().manual_seed(prompt.seed)
+        self.waiting_sim: tuple[ParsedCall, str] | None = None  # rehearsal="separate" only
+        self.sim_text = ""
+        if len(self.ids) >= self.cfg.max_episode_tokens:
+            self._finish("max_episode_tokens")
+
+    # -- token bookkeeping -------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.phase == "done"
+
+    @property
+    def sample_role(self) -> Role:
+        return Role.REHEARSE if self.phase == "tool" else Role.ACT
+
+    def _room(self) -> int:
+        return self.cfg.max_episode_tokens - len(self.ids)
+
+    def force(self, tokens: Sequence[int], role: Role = Role.CONTEXT) -> bool:
+        """Append known tokens; False (and the episode ends) when they do not fit."""
+        tokens = list(tokens)
+        fit = tokens[:max(0, self._room())]
+        self.ids += fit
+        self.roles += [int(role)] * len(fit)
+        self.logps += [math.nan] * len(fit)
+        self.pending.extend(fit)
+        if len(fit) < len(tokens):
+            self._finish("max_episode_tokens")
+            return False
+        return True
+
+    def _finish(self, reason: str) -> None:
+        if self.phase == "tool" and self.queue:  # a rehearsal cut short by a limit is still a call
+            pc, _ = self.queue.pop(0)
+            self.call_log.append({"name": pc.call.name, "mode": "rehearse", "error_kind": None,
+                                  "truncated": True})
+        self.phase = "done"
+        self.stop_reason = self.stop_reason or reason
+        self.pending.clear()
+
+    def _segment_text(self) -> str:
+        return self.tmpl.tokenizer.decode(self.ids[self.seg_start:])
+
+    def _new_segment(self, phase: str) -> None:
+        self.phase = phase
+        self.seg_start = len(self.ids)
+
+    # -- sampled tokens ----------------------------------------------------------------------
+    def on_sampled(self, token: int, logp: float) -> None:
+        self.ids.append(token)
+        self.roles.append(int(self.sample_role))
+        self.logps.append(logp)
+        self.pending.append(token)
+        self.head_sampled = True  # pending[0] is this sampled token (pending was empty)
+        marker = self._stop_marker()
+        seg_len = len(self.ids) - self.seg_start
+        if self.phase == "act":
+            if marker is not None:
+                self._end_policy_turn(marker)
+            elif seg_len >= self.cfg.max_new_tokens:
+                self._finish("max_new_tokens")
+        elif self.phase == "tool":
+            if marker is not None:
+                self._end_rehearsed_response(marker)
+            elif seg_len >= self.cfg.max_new_tokens:
+                self._finish("max_new_tokens")
+        if not self.done and self._room() <= 0:
+            self._finish("max_episode_tokens")
+
+    def _stop_marker(self) -> str | None:
+        """The stop string completed by the last token (string match on the decoded suffix)."""
+        tok = self.tmpl.tokenizer
+        seg = self.ids[self.seg_start:]
+        if self.phase == "act":
+            markers = list(self.tmpl.assistant_end_markers)
+            if not self.cfg.parallel_tool_calls:
+                markers.append(TOOL_CALL_CLOSE)
+        else:
+            markers = self.tmpl.tool_end_markers
+        if seg[-1] in self.eng.eos_ids:
+            return tok.decode(seg[-1:])
+        tail = seg[-self.eng.window:]
+        now, before = tok.decode(tail), tok.decode(tail[:-1])
+        for m in markers:
+            if m in now and m not in before:
+                return m
+        return None
+
+    # -- turn transitions --------------------------------------------------------------------
+    def _end_policy_turn(self, marker: str) -> None:
+        text = self._segment_text()
+        cut = text.rfind(marker)
+        turn = text[:cut] if cut >= 0 and marker != TOOL_CALL_CLOSE else text
+        parsed = parse_tool_calls(turn, self.p.tools)
+        self.turns += 1
+        if not parsed.has_calls:
+            self.traj.messages.append({"role": "assistant", "content": turn})
+            self.traj.final_answer = turn.strip()
+            self._finish("final_answer")
+            return
+        self.traj.messages.append({
+            "role": "assistant", "content": parsed.content,
+            "tool_calls": [{"type": "function", "function": {"name": c.call.name,
+                                                            "arguments": c.call.arguments}}
+                           for c in parsed.calls if c.ok]})
+        self.queue = []
+        for c in parsed.calls:
+            if not c.ok:
+                self.malformed[c.error_kind] += 1
+                if self.cfg.on_malformed == "end_episode":
+                    self.call_log.append({"name": None, "mode": "malformed", "error_kind": c.error_kind})
+                    self._finish("malformed")
+                    return
+                self.queue.append((c, "error"))
+            elif self.p.env is None or self.cfg.mode == "rehearse":
+                self.queue.append((c, "rehearse"))
+            elif self.cfg.mode == "real":
+                self.queue.append((c, "real"))
+            else:
+                self.queue.append((c, "real" if self.rng.random() < self.cfg.hybrid_p else "rehearse"))
+        end_marker = marker if marker != TOOL_CALL_CLOSE else None
+        if self.force(self.tmpl.remainder("assistant_to_tool", end_marker)):
+            self._next_call()
+
+    def _next_call(self) -> None:
+        """Handle queued calls until one needs the model (or the tool turn closes)."""
+        while self.queue and not self.done:
+            pc, mode = self.queue[0]
+            if mode == "rehearse":
+                if self.cfg.rehearsal == "separate":
+                    self.waiting_sim = (pc, mode)  # the engine runs the simulator prompt
+                else:
+                    self._new_segment("tool")
+                return
+            self.queue.pop(0)
+            if mode == "error":
+                content = json.dumps({"error": pc.error_kind, "message": pc.error})
+                self.call_log.append({"name": None, "mode": "error", "error_kind": pc.error_kind})
+            else:
+                content = self._execute(pc.call)
+                self.call_log.append({"name": pc.call.name, "mode": "real", "error_kind": None})
+            self.traj.messages.append({"role": "tool", "content": content, "rehearsed": False})
+            if not self.force(self.tmpl.encode(content), Role.OBSERVED):
+                return
+            self._close_tool_response(None)
+
+    def _execute(self, call: ToolCall) -> str:
+        self.traj.real_calls.append(call)
+        try:
+            res = self.p.env.execute(call)
+        except Exception as e:  # env contract says never raise; a buggy env must not kill a batch
+            self.malformed["env_error"] += 1
+            return json.dumps({"error": "env_error", "message": f"{type(e).__name__}: {e}"})
+        if not res.ok and res.error_kind:
+            self.eng._count_env_error(res.error_kind)
+        return res.content
+
+    def _end_rehearsed_response(self, marker: str) -> None:
+        pc, _ = self.queue.pop(0)
+        content = self.tmpl.tool_content_from_generated(self._segment_text(), marker)
+        self._record_rehearsal(pc, content)
+        self._close_tool_response(marker)
+
+    def _record_rehearsal(self, pc: ParsedCall, content: str) -> None:
+        entry = {"name": pc.call.name, "mode": "rehearse", "error_kind": None}
+        if self.cfg.measure_fidelity and self.p.env is not None:
+            real = self._execute(pc.call)
+            s = score_pair(pc.call.name, content, real)
+            self.fidelity.append(s)
+            entry.update(measured=True, exact=s.exact, field_f1=s.field_f1)
+        self.call_log.append(entry)
+        self.traj.messages.append({"role": "tool", "content": content, "rehearsed": True})
+
+    def _close_tool_response(self, marker: str | None) -> None:
+        if self.queue:
+            if self.force(self.tmpl.remainder("tool_to_tool", marker)):
+                self._next_call()
+            return
+        if self.turns >= self.cfg.max_turns:
+            self._finish("max_turns")
+            return
+        if self.force(self.tmpl.remainder("tool_to_assistant", marker)):
+            self._new_segment("act")
+
+    def on_simulated(self, tokens: list[int], logps: list[float], text: str) -> None:
+        """rehearsal="separate": the simulator's response tokens, copied in as REHEARSE."""
+        pc, _ = self.waiting_sim
+        self.waiting_sim = None
+        self.queue.pop(0)
+        room = self._room()
+        self.ids += tokens[:room]
+        self.roles += [int(Role.REHEARSE)] * len(tokens[:room])
+        self.logps += logps[:room]
+        self.pending.extend(tokens[:room])
+        if len(tokens) > room:
+            self._finish("max_episode_tokens")
+            return
+        self._record_rehearsal(pc, text.strip())
+        self._close_tool_response(None)
+
+    # -- result ------------------------------------------------------------------------------
+    def episode(self) -> Episode:
+        task = self.p.task
+        reward = 0.0
+        score_error = None
+        if self.p.env is not None and task is not None:
+            try:
+                reward = float(self.p.env.score(task, self.traj))
+            except Exception as e:  # a scoring bug is an outcome, not a crash of the whole batch
+                score_error = f"{type(e).__name__}: {e}"
+                reward = 0.0
+        if self.malformed and self.cfg.malformed_reward is not None:
+            reward = float(self.cfg.malformed_reward)
+        meta = {"stop_reason": self.stop_reason, "turns": self.turns, "calls": self.call_log,
+                "malformed": dict(self.malformed), "seed": self.p.seed,
+                "prompt_tokens": len(self.p.input_ids), "trajectory": self.traj,
+                "fidelity": [vars(s) for s in self.fidelity]}
+        if score_error:
+            meta["score_error"] = score_error
+        return Episode(input_ids=self.ids, roles=self.roles, task_id=task.id if task else "",
+                       reward=reward, rollout_logprobs=self.logps, metadata=meta)
+
+
+class RolloutEngine:
+    """Batched world-rehearsal rollouts over a causal LM (see the module docstring).
+
+    engine = RolloutEngine(model, tokenizer, RolloutConfig(mode="hybrid", hybrid_p=0.3))
+    result = engine.rollout(tasks, suite, group_size=4, seed=0)   # episodes, trajectories, metrics
+    result = engine.generate(prompts, seed=1)                      # from token prefixes (no env:
+                                                                   # private rehearsal)
+    """
+
+    def __init__(self, model, tokenizer, config: RolloutConfig | None = None, *,
+                 template: ChatTemplate | None = None, backend_factory: Callable[[], Generator] | None = None,
+                 logits_processor: LogitsProcessor | None = None):
+        self.config = config or RolloutConfig()
+        self.config.validate()
+        self.model = model
+        self.template = template or ChatTemplate(tokenizer)
+        tok = self.template.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        self.backend_factory = backend_factory or (lambda: HFGenerator(model, pad_id=pad))
+        self.logits_processor = logits_processor
+        self.eos_ids = {i for i in (tok.eos_token_id,) if i is not None}
+        for m in self.template.assistant_end_markers:
+            ids = tok.encode(m, add_special_tokens=False)
+            if len(ids) == 1:
+                self.eos_ids.add(ids[0])
+        # Decode window for stop detection: enough tokens to spell the longest marker.
+        longest = max(len(tok.encode(m, add_special_tokens=False))
+                      for m in self.template.assistant_end_markers + self.template.tool_end_markers
+                      + [TOOL_CALL_CLOSE])
+        self.window = longest + 8
+        self._env_errors: Counter = Counter()
+
+    def _count_env_error(self, kind: str) -> None:
+        self._env_errors[kind] += 1
+
+    # -- public API ----------------------------------------------------------------------------
+    def prompt_for(self, task: Task, env: ToolEnv, seed: int) -> Prompt:
+        reset = env.reset(task)
+        r = self.template.render_prompt(reset.messages, reset.tools)
+        return Prompt(r.input_ids, r.roles, reset.tools, list(reset.messages), task, env, seed)
+
+    def rollout(self, tasks: Sequence[Task], envs: Suite | Callable[[], ToolEnv], *,
+                group_size: int = 1, seed: int = 0) -> RolloutResult:
+        """`group_size` episodes per task (the GRPO group), each with its own environment."""
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        make_env = envs.make_env if isinstance(envs, Suite) else envs
+        if not callable(make_env):
+            raise ValueError("envs must be a Suite or a callable returning a ToolEnv")
+        prompts = []
+        for ti, task in enumerate(tasks):
+            for g in range(group_size):
+                prompts.append(self.prompt_for(task, make_env(), seed * 7_919_993 + ti * group_size + g))
+        try:
+            result = self.generate(prompts)
+        finally:
+            for p in prompts:
+                try:
+                    p.env.close()
+                except Exception:
+                    pass
+        for ep, (ti, g) in zip(result.episodes, [(i, g) for i in range(len(tasks)) for g in range(group_size)]):
+            ep.metadata.update(group=ti, sample=g)
+        return result
+
+    def generate(self, prompts: Sequence[Prompt]) -> RolloutResult:
+        """Run rows from token prefixes. Rows without an env only rehearse (test-time rehearsal)."""
+        for i, p in enumerate(prompts):
+            if len(p.input_ids) == 0 or len(p.input_ids) != len(p.roles):
+                raise ValueError(f"prompts[{i}]: input_ids must be non-empty and match roles")
+        t0 = time.perf_counter()
+        stats = Counter()
+        self._env_errors = Counter()
+        rows = [_Row(self, i, p) for i, p in enumerate(prompts)]
+        bs = self.config.max_batch_size
+        for s in range(0, len(rows), bs):
+            self._decode([r for r in rows[s:s + bs] if not r.done], stats)
+        episodes = [r.episode() for r in rows]
+        wall = time.perf_counter() - t0
+        return RolloutResult(episodes, [r.traj for r in rows], self._metrics(rows, episodes, stats, wall))
+
+    # -- the decode loop ---------------------------------------------------------------------------
+    def _sample(self, rows: list[_Row], logits: torch.Tensor, stats: Counter) -> None:
+        if self.logits_processor is not None:
+            logits = self.logits_processor([r.ids for r in rows], [r.roles for r in rows],
+                                           [r.sample_role for r in rows], logits)
+        u = torch.stack([torch.rand((), generator=r.gen) for r in rows])
+        tok, logp = sample(logits, self.config.temperature, self.config.top_p, u)
+        stats["decode_tokens"] += len(rows)
+        for r, t, lp in zip(rows, tok.tolist(), logp.tolist()):
+            r.on_sampled(int(t), float(lp))
+
+    def _chunk(self, rows: list[_Row]) -> int:
+        """Tokens per row this step: several when forced tokens are waiting and at least half of the
+        step's token slots are real (padding slots become masked cache holes)."""
+        k = min(self.config.max_chunk, max(len(r.pending) for r in rows))
+        while k > 1 and sum(min(k, len(r.pending)) for r in rows) * 2 < k * len(rows):
+            k //= 2
+        return max(k, 1)
+
+    def _decode(self, rows: list[_Row], stats: Counter) -> None:
+        if not rows:
+            return
+        gen = self.backend_factory()
+        prompts = [list(r.pending) for r in rows]
+        for r in rows:
+            r.pending.clear()
+        stats["prefill_tokens"] += sum(map(len, prompts))
+        stats["forward_calls"] += 1
+        logits = gen.start(prompts)
+        self._sample(rows, logits, stats)
+        live = rows
+        while True:
+            self._simulate([r for r in live if r.waiting_sim is not None], stats)
+            keep = [i for i, r in enumerate(live) if not r.done]
+            if not keep:
+                return
+            if len(keep) < len(live):
+                gen.keep(keep)
+                live = [live[i] for i in keep]
+            k = self._chunk(live)
+            feed = []
+            for r in live:  # a live row always has pending tokens: it just sampled or was forced
+                f = [r.pending.popleft() for _ in range(min(k, len(r.pending)))]
+                stats["prefill_tokens"] += len(f) - int(r.head_sampled)
+                stats["decode_fed"] += int(r.head_sampled)
+                r.head_sampled = False
+                feed.append(f)
+            stats["forward_calls"] += 1
+            stats["token_slots"] += k * len(live)
+            stats["fed_tokens"] += sum(map(len, feed))
+            logits = gen.step(feed)
+            ready = [i for i, r in enumerate(live) if not r.pending and r.waiting_sim is None]
+            if ready:
+                self._sample([live[i] for i in ready], logits[ready], stats)
+
+    def _simulate(self, rows: list[_Row], stats: Counter) -> None:
+        """rehearsal="separate": prompt a fresh simulator per call with the conversation so far and
+        decode its response (the paper-code style), then copy its tokens into the episode."""
+        if not rows:
+            return
+        prompts = []
+        for r in rows:
+            pc, _ = r.waiting_sim
+            convo = json.dumps(r.p.messages + r.traj.messages, ensure_ascii=False, default=str)
+            msgs = [{"role": "system", "content": SIMULATOR_SYSTEM},
+                    {"role": "user", "content": f"Tools: {json.dumps(r.p.tools)}\nConversation: {convo}\n"
+                                                f"Tool call: {pc.raw.strip()}"}]
+            sim = self.template.render_prompt(msgs)
+            prompts.append(Prompt(sim.input_ids, sim.roles, [], seed=r.rng.randrange(2**31)))
+        sub = RolloutEngine.__new__(RolloutEngine)
+        sub.__dict__.update(self.__dict__)
+        sub.config = RolloutConfig(**{**vars(self.config), "rehearsal": "inline", "max_turns": 1,
+                                      "parallel_tool_calls": True})
+        sim_rows = [_Row(sub, i, p) for i, p in enumerate(prompts)]
+        sub._decode([s for s in sim_rows if not s.done], stats)
+        stats["simulator_prompts"] += len(sim_rows)
+        for r, s in zip(rows, sim_rows):
+            gen_ids = s.ids[len(s.p.input_ids):]
+            gen_lp = s.logps[len(s.p.input_ids):]
+            text = self.template.tokenizer.decode(gen_ids)
+            for m in self.template.assistant_end_markers:  # drop the simulator's end-of-turn
+                if text.endswith(m):
+                    n = len(self.template.encode(m))
+                    gen_ids, gen_lp, text = gen_ids[:-n], gen_lp[:-n], text[:-len(m)]
+                    break
+            r.on_simulated(gen_ids, gen_lp, text)
+
+    # -- metrics -------------------------------------------------------------------------------------
+    def _metrics(self, rows: list[_Row], episodes: list[Episode], stats: Counter, wall: float) -> dict:
+        role_tokens = Counter()
+        for ep in episodes:
+            for r in ep.roles:
+                role_tokens[Role(r).name] += 1
+        malformed, modes, stops = Counter(), Counter(), Counter()
+        fid: list[FidelityScore] = []
+        for r in rows:
+            malformed.update(r.malformed)
+            modes.update(c["mode"] for c in r.call_log)
+            stops[r.stop_reason] += 1
+            fid += r.fidelity
+        total = stats["prefill_tokens"] + stats["decode_fed"]
+        return {
+            "episodes": len(episodes),
+            "wall_s": wall,
+            # all tokens through the model (prefill + decode) and sampled tokens, per second
+            "tokens_per_s": total / wall if wall > 0 else 0.0,
+            "decode_tokens_per_s": stats["decode_tokens"] / wall if wall > 0 else 0.0,
+            "prefill_tokens": stats["prefill_tokens"],   # prompt + forced tokens fed to the model
+            "decode_tokens": stats["decode_tokens"],     # tokens sampled by the model
+            "forward_calls": stats["forward_calls"],
+            "token_slot_efficiency": (stats["fed_tokens"] / stats["token_slots"]) if stats["token_slots"] else 1.0,
+            "simulator_prompts": stats["simulator_prompts"],
+            "role_tokens": dict(role_tokens),
+            "calls": dict(modes),
+            "malformed": dict(malformed),
+            "env_errors": dict(self._env_errors),
+            "stop_reasons": dict(stops),
+            "mean_reward": sum(e.reward for e in episodes) / len(episodes) if episodes else 0.0,
+            "fidelity": aggregate(fid),
+        }
