@@ -20,3 +20,46 @@ def rel_err(a, b):
     if den == 0:
         return float(a.norm())
     return float((a - b).norm() / den)
+
+
+def ref_policy_loss(x, w, t, roles, adv, old, ref, cfg, normalizers=None, token_weights=None):
+    """float64 role-wise GRPO loss written out token by token from the spec (issue 3)."""
+    n = x.shape[0]
+    z = (x.double() @ w.double().T) / cfg.temperature
+    lp_all = torch.log_softmax(z, dim=-1)
+    ent = -(lp_all.exp() * lp_all).sum(-1)
+    role_w = {1: cfg.w_act, 2: cfg.w_rehearse, 3: cfg.w_observed}
+    counts = {r: int((roles == r).sum()) for r in (1, 2, 3)}
+    norm = normalizers if normalizers is not None else [0, counts[1], counts[2], counts[3]]
+    loss = x.new_zeros((), dtype=torch.float64)
+    for i in range(n):
+        r = int(roles[i])
+        if r == 0 or role_w[r] == 0:
+            continue
+        lp = lp_all[i, int(t[i])]
+        if r == 3:
+            l = -lp
+        else:
+            a = float(adv[i])
+            rho = torch.exp(lp - float(old[i]))
+            l = torch.maximum(-a * rho, -a * torch.clamp(rho, 1 - cfg.clip_low, 1 + cfg.clip_high))
+            if cfg.dual_clip is not None and a < 0:
+                l = torch.minimum(l, torch.tensor(-cfg.dual_clip * a, dtype=torch.float64))
+            if cfg.kl_coef:
+                d = float(ref[i]) - lp
+                kl = {"k1": -d, "k2": 0.5 * d * d, "k3": torch.exp(d) - d - 1}[cfg.kl_type]
+                l = l + cfg.kl_coef * kl
+            if cfg.entropy_coef:
+                l = l - cfg.entropy_coef * ent[i]
+        c = float(token_weights[i]) if token_weights is not None else 1.0 / float(norm[r])
+        loss = loss + role_w[r] * c * l
+    return loss
+
+
+def one_thread():
+    """Generator for an autouse fixture: tiny GEMMs on a 2-core box shared by many jobs are
+    10-100x slower with an OpenMP pool spinning on busy cores; these tests need one thread."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
