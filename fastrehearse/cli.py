@@ -25,14 +25,22 @@ def train_parser(prog: str = "fastrehearse train") -> argparse.ArgumentParser:
 
 def train_main(argv: list[str] | None = None, prog: str = "fastrehearse train") -> int:
     args = train_parser(prog).parse_args(argv)
-    from fastrehearse.train.config import ConfigError, load_config
+    from fastrehearse.train.config import ConfigError, check_model_path, load_config
     try:
         cfg = load_config(args.config, args.overrides)
+        check_model_path(cfg)
     except ConfigError as e:
         print(f"{prog}: config error: {e}", file=sys.stderr)
         return 2
-    from fastrehearse.train.loop import train
-    train(cfg, resume=args.resume)
+    from fastrehearse.train.loop import TrainingError, train
+    try:
+        train(cfg, resume=args.resume)
+    except (FileNotFoundError, ConfigError) as e:   # e.g. a model path that does not exist
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except TrainingError as e:
+        print(f"{prog}: training stopped: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

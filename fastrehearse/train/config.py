@@ -302,6 +302,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                 "log.plot_every", "eval.num_tasks", "eval.temperature"):
         positive(key, _get(cfg, key), zero_ok=True)
     positive("checkpoint.keep", cfg.checkpoint.keep)
+    if cfg.model.options and not cfg.model.spec.startswith("tiny-"):
+        raise ConfigError(f"config key 'model.options' is only used with tiny-* models, got "
+                          f"{cfg.model.options} for model.spec={cfg.model.spec!r}")
     positive("rollout.temperature", cfg.rollout.temperature)
     if not 0.0 <= cfg.rollout.hybrid_p <= 1.0:
         raise ConfigError(f"config key 'rollout.hybrid_p' must be in [0, 1], got {cfg.rollout.hybrid_p}")
@@ -320,6 +323,22 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                           f"'rollout.max_episode_tokens' ({cfg.rollout.max_episode_tokens}): a "
                           f"micro-batch must hold the longest episode")
     return cfg
+
+
+EMBEDDED_MODELS = ("smollm2", "embedded")
+
+
+def check_model_path(cfg: TrainConfig) -> None:
+    """Fail in the first second (not after the imports and rendezvous) when model.spec names a
+    local path that does not exist. Separate from `validate` so GPU presets that point at
+    /models/... still load on machines without those weights."""
+    spec = cfg.model.spec
+    if spec in EMBEDDED_MODELS or spec.startswith("tiny-"):
+        return
+    if not Path(spec).expanduser().exists():
+        raise ConfigError(f"model path '{spec}' does not exist (config key 'model.spec' must be an "
+                          f"existing HF directory, a .gguf file, one of {list(EMBEDDED_MODELS)}, or "
+                          f"tiny-llama / tiny-qwen2 / tiny-qwen3)")
 
 
 def _get(cfg, dotted: str):

@@ -86,9 +86,11 @@ class Run:
 def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
     """Run the whole recipe; returns the summary (also written to run_dir/summary.json)."""
     info = init_distributed(cfg.device)
+    previous = signal.getsignal(signal.SIGTERM)
     try:
         return _train(cfg, info, resume)
     finally:
+        _restore_sigterm(previous)
         destroy_distributed()
 
 
@@ -216,8 +218,6 @@ def load_policy_model(cfg: TrainConfig):
             if getattr(tok, name, None) is not None:
                 setattr(model.config, name, getattr(tok, name))
         return model, tok
-    if opts:
-        raise ValueError(f"model.options is only used with tiny-* models, got {opts} for {spec!r}")
     return fm.load_model(spec, dtype=torch.float32, seed=cfg.seed)
 
 
@@ -685,6 +685,13 @@ def _install_sigterm(run: Run) -> None:
     try:
         signal.signal(signal.SIGTERM, handler)
     except ValueError:  # not the main thread (e.g. called from a worker thread in tests)
+        pass
+
+
+def _restore_sigterm(previous) -> None:
+    try:
+        signal.signal(signal.SIGTERM, previous)
+    except (ValueError, TypeError):
         pass
 
 
