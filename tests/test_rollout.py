@@ -107,7 +107,8 @@ def check_episode(ep, tmpl, cfg):
 def test_role_tags_many_seeds(llama, mode, parallel):
     model, tok, tmpl = llama
     totals = {"rehearse": 0, "real": 0, "error": 0}
-    for seed in range(3):
+    parallel_turns = 0
+    for seed in range(2):
         CountingEnv.instances = []
         eng, res = run(model, tok, tmpl, seed=seed, mode=mode, hybrid_p=0.5, parallel=parallel,
                        parallel_tool_calls=parallel or seed % 2 == 0, max_new_tokens=80 if parallel else 48)
@@ -116,14 +117,17 @@ def test_role_tags_many_seeds(llama, mode, parallel):
             check_episode(ep, tmpl, eng.config)
             for c in ep.metadata["calls"]:
                 totals[c["mode"]] += 1
+            tool_runs = [r for r in runs_of(ep.roles) if r[0] in (Role.REHEARSE, Role.OBSERVED)]
+            call_turns = ep.metadata["turns"] - (ep.metadata["stop_reason"] == "final_answer")
+            parallel_turns += len(tool_runs) > call_turns  # two responses in one tool turn
         m = res.metrics
         assert m["decode_tokens"] == sum(m["role_tokens"].get(r, 0) for r in ("ACT", "REHEARSE"))
         assert m["prefill_tokens"] > 0 and m["tokens_per_s"] > 0
         if mode == "rehearse":  # rehearsal never touches the real environment
             assert all(not e.calls for e in CountingEnv.instances)
     assert totals["rehearse"] > 0
-    if parallel:  # two calls answered in one tool turn: the tool-to-tool scaffolding was used
-        assert totals["rehearse"] + totals["real"] >= 2
+    if parallel:
+        assert parallel_turns > 0
     if mode == "hybrid":
         assert totals["real"] > 0
 

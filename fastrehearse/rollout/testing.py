@@ -216,3 +216,30 @@ class ScriptedBias:
             if n < len(script) and script[:n] == seg:
                 logits[i, script[n]] += self.bias
         return logits
+
+
+class ScriptedTurns(ScriptedBias):
+    """Forces (bias 1e4) a given sequence of assistant turns and tool responses: turn k of the
+    policy is `act_texts[k]` (+ end marker), the k-th tool response `tool_texts[k]` (+ tool end).
+    Used to drive the engine through gold trajectories end to end."""
+
+    def __init__(self, template, act_texts: list[str], tool_texts: list[str], bias: float = 1e4):
+        self.bias = bias
+        end = template.assistant_end_markers[0]
+        close = template.scaffolding.texts["tool_to_assistant"]
+        marker = template.tool_end_markers[0]
+        tool_end = close.split(marker)[0] + marker
+        self.act = [template.encode(t + end) for t in act_texts]
+        self.tool = [template.encode(t) + template.encode(tool_end) for t in tool_texts]
+
+    def script(self, ids, roles, role):
+        from fastrehearse.kernels.roles import Role
+        kinds = (Role.ACT,) if role == Role.ACT else (Role.REHEARSE, Role.OBSERVED)
+        n_runs, prev = 0, None
+        for r in roles:
+            if r in kinds and prev not in kinds:
+                n_runs += 1
+            prev = r
+        k = n_runs - 1 if roles and roles[-1] == role else n_runs  # index of the current segment
+        seq = self.act if role == Role.ACT else self.tool
+        return seq[k] if k < len(seq) else []
