@@ -113,9 +113,9 @@ def varlen_attention_forward(
         return out.transpose(1, 2).contiguous(), None
 
     # The varlen kernels take [T, H, D].
-    q = query[0].transpose(0, 1)
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
+    q = query[0].transpose(0, 1).contiguous()
+    k = key[0].transpose(0, 1).contiguous()
+    v = value[0].transpose(0, 1).contiguous()
     cu32 = cu.to(torch.int32)
     if backend == "flash_attn":
         out = _flash_varlen(q, k, v, cu32, cu32, max_len, max_len, dropout_p=dropout,
@@ -143,13 +143,13 @@ def varlen_attention_forward(
 def _sdpa_per_document(q, k, v, cu, dropout, scaling, n_rep):
     """q [1, Hq, T, D] -> [1, Hq, T, D]: SDPA once per document, causal inside it."""
     bounds = cu.tolist()  # one host sync per layer; free on CPU
+    sizes = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     gqa = {"enable_gqa": True} if n_rep > 1 else {}
-    outs = []
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        if e > s:
-            outs.append(F.scaled_dot_product_attention(
-                q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], dropout_p=dropout, is_causal=True,
-                scale=scaling, **gqa))
+    # split (not slicing): its backward is one concatenation, while each slice's backward would
+    # allocate and zero a full [1, H, T, D] gradient (O(documents x T) per layer).
+    outs = [F.scaled_dot_product_attention(qd, kd, vd, dropout_p=dropout, is_causal=True, scale=scaling, **gqa)
+            for qd, kd, vd in zip(q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2))
+            if qd.shape[2] > 0]
     return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
 
