@@ -234,7 +234,9 @@ def test_compat_shim():
             "z": {"type": "tuple", "items": {"type": "integer"}}}}}, "required": ["x"]}})
     p = tool["function"]["parameters"]
     assert p["type"] == "object" and p["properties"]["x"]["type"] == "number"
-    assert p["properties"]["y"]["properties"]["z"] == {"type": "array", "items": {"type": "integer"}}
+    assert p["properties"]["y"]["type"] == "object"
+    assert p["properties"]["y"]["properties"]["z"]["type"] == "array"
+    assert p["properties"]["y"]["properties"]["z"]["items"] == {"type": "integer"}
     assert len(bfcl_compat.multi_turn_func_docs("GorillaFileSystem")) > 10
     with pytest.raises(ValueError, match="category"):
         bfcl_compat.load_entries("nope")

@@ -153,31 +153,32 @@ def multi_turn_func_docs(class_name: str) -> list[dict]:
     return bfcl.utils.load_file(MULTI_TURN_FUNC_DOC_PATH / mapping[class_name])
 
 
-# BFCL function docs use Python-ish type names; JSON schema wants these.
-_JSON_TYPES = {"dict": "object", "float": "number", "tuple": "array", "any": "string",
-               "int": "integer", "bool": "boolean", "str": "string", "list": "array"}
-
-
-def _to_json_schema(node):
-    if isinstance(node, dict):
-        out = {}
-        for k, v in node.items():
-            if k == "type" and isinstance(v, str):
-                out[k] = _JSON_TYPES.get(v, v)
-            elif k == "properties" and isinstance(v, dict):
-                out[k] = {name: _to_json_schema(p) for name, p in v.items()}
-            else:
-                out[k] = _to_json_schema(v)
-        return out
-    if isinstance(node, list):
-        return [_to_json_schema(v) for v in node]
-    return node
+def _fill_descriptions(props: dict) -> None:
+    # BFCL's converter appends to "description" of float parameters; docs outside BFCL may lack one.
+    for p in props.values():
+        if isinstance(p, dict):
+            p.setdefault("description", "")
+            if isinstance(p.get("properties"), dict):
+                _fill_descriptions(p["properties"])
+            items = p.get("items")
+            if isinstance(items, dict) and isinstance(items.get("properties"), dict):
+                _fill_descriptions(items["properties"])
 
 
 def func_doc_to_tool(doc: dict) -> dict:
-    """One BFCL function doc -> an OpenAI function tool schema (JSON-schema types)."""
-    params = _to_json_schema(doc.get("parameters") or {"type": "dict", "properties": {}})
-    params.setdefault("type", "object")
+    """One BFCL function doc -> an OpenAI function tool schema, through BFCL's own converter
+    (`convert_to_tool` with GORILLA_TO_OPENAPI types: dict->object, float->number plus a "This is a
+    float type value." note, tuple->array, any->string). Function names keep their dots (the
+    style BFCL uses for models that accept them), so BFCL's checkers see the names unchanged."""
+    install_shim()
+    from bfcl_eval.constants.enums import ModelStyle
+    from bfcl_eval.constants.type_mappings import GORILLA_TO_OPENAPI
+    from bfcl_eval.model_handler.utils import convert_to_tool
+
+    doc = copy.deepcopy(doc)
+    doc.setdefault("description", "")
+    params = doc.setdefault("parameters", {"type": "dict", "properties": {}})
     params.setdefault("properties", {})
-    return {"type": "function", "function": {
-        "name": doc["name"], "description": doc.get("description", ""), "parameters": params}}
+    _fill_descriptions(params["properties"])
+    # FIREWORK_AI: wraps as {"type": "function", "function": ...} and neither renames nor strips.
+    return convert_to_tool([doc], GORILLA_TO_OPENAPI, ModelStyle.FIREWORK_AI)[0]
