@@ -22,6 +22,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -108,16 +109,21 @@ def _gguf_key(path: Path) -> str:
 
 
 def _atomic_save(dest: Path, save_fn) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".tmp-", dir=dest.parent))
+    """Write via save_fn into a temporary folder, then rename it to dest. A cache that cannot be
+    written (read-only home, full disk) only costs speed: warn and go on."""
+    tmp = None
     try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".tmp-", dir=dest.parent))
         save_fn(tmp)
         os.replace(tmp, dest)  # atomic on POSIX; fails harmlessly if another process won the race
-    except OSError:
+    except OSError as e:
         if not dest.exists():
-            raise
+            warnings.warn(f"fastrehearse: could not write the cache {dest} ({e}); set FASTREHEARSE_CACHE "
+                          "to a writable folder to avoid de-quantizing on every load")
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, cache: bool):

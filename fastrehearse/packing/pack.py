@@ -19,6 +19,7 @@ and keep the first that fits. Ties break by episode index, so the result is dete
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -60,10 +61,8 @@ def pack(
       (roles, rollout log-probs and advantages are cut the same way; a warning lists them).
     Episodes are never dropped. An empty episode raises ValueError.
     """
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
-    if not isinstance(num_ranks, int) or isinstance(num_ranks, bool) or num_ranks < 1:
-        raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+    max_tokens = _positive_int("max_tokens", max_tokens)
+    num_ranks = _positive_int("num_ranks", num_ranks)
     if overlong not in OVERLONG_POLICIES:
         raise ValueError(f"overlong must be one of {OVERLONG_POLICIES}, got {overlong!r}")
     if not math.isfinite(quadratic_coef) or quadratic_coef < 0:
@@ -107,6 +106,12 @@ def packing_efficiency(batches: Sequence[PackedBatch] | Sequence[Sequence[Packed
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     return sum(b.num_tokens for b in flat) / (len(flat) * max_tokens)
+
+
+def _positive_int(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return int(v)
 
 
 def _check_and_fit(episodes: list[Episode], max_tokens: int, overlong: str) -> list[Episode]:
