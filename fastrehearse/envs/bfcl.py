@@ -369,7 +369,7 @@ class BfclSuite(Suite):
         cat = resolve_category(split)
         if limit is not None and limit < 0:
             raise ValueError(f"limit: must be >= 0, got {limit}")
-        entries = bfcl_compat.load_entries(cat)[:limit]
+        entries = bfcl_compat.load_entries(cat, limit)
         answers = bfcl_compat.load_answers(cat)
         out = []
         for entry in entries:

@@ -129,10 +129,11 @@ def _check_category(category: str) -> None:
         raise ValueError(f"category: unknown BFCL category {category!r}; known: {list(known)}")
 
 
-def load_entries(category: str) -> list[dict]:
-    """BFCL v4 test entries of a category (deep copies: callers may mutate them)."""
+def load_entries(category: str, limit: int | None = None) -> list[dict]:
+    """BFCL v4 test entries of a category, the first `limit` of them (deep copies: callers may
+    mutate them)."""
     _check_category(category)
-    return copy.deepcopy(list(_load_entries_cached(category)))
+    return copy.deepcopy(list(_load_entries_cached(category)[:limit]))
 
 
 def load_answers(category: str) -> dict[str, dict]:
