@@ -112,15 +112,22 @@ def varlen_attention_forward(
         out = _sdpa_per_document(query, key, value, cu, dropout, scaling, n_rep)
         return out.transpose(1, 2).contiguous(), None
 
+    return _varlen_kernel(backend, query, key, value, cu, max_len, dropout, scaling, n_rep), None
+
+
+def _varlen_kernel(backend, query, key, value, cu, max_len, dropout, scaling, n_rep):
+    """[1, H, T, D] inputs -> [1, T, Hq, D] through flash-attn's or torch's varlen kernel."""
     # The varlen kernels take [T, H, D].
     q = query[0].transpose(0, 1).contiguous()
     k = key[0].transpose(0, 1).contiguous()
     v = value[0].transpose(0, 1).contiguous()
     cu32 = cu.to(torch.int32)
-    if backend == "flash_attn":
+    if backend == "flash_attn":  # GQA native
         out = _flash_varlen(q, k, v, cu32, cu32, max_len, max_len, dropout_p=dropout,
                             softmax_scale=scaling, causal=True)
-    else:
+    elif backend == "torch_varlen":
+        # Its keyword arguments changed across torch releases (is_causal -> window_size; scale and
+        # enable_gqa added later): pass what this torch has.
         kw = {}
         if "scale" in _TV_PARAMS:
             kw["scale"] = scaling
@@ -137,7 +144,9 @@ def varlen_attention_forward(
                 k = k.repeat_interleave(n_rep, dim=1)
                 v = v.repeat_interleave(n_rep, dim=1)
         out = _torch_varlen(q, k, v, cu32, cu32, max_len, max_len, **kw)
-    return out.unsqueeze(0), None
+    else:
+        raise ValueError(f"unknown varlen backend {backend!r}")
+    return out.unsqueeze(0)
 
 
 def _sdpa_per_document(q, k, v, cu, dropout, scaling, n_rep):
