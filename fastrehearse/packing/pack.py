@@ -165,21 +165,26 @@ def assign_bins(lengths: Sequence[int], max_tokens: int, *, num_ranks: int = 1,
     costs = [cost(n) for n in lengths]
     # Largest first; the index breaks ties so the order (and the result) is deterministic.
     order = sorted(range(n_items), key=lambda i: (-costs[i], -lengths[i], i))
-    n_bins = _round_up(max(1, -(-sum(lengths) // max_tokens)), num_ranks)
-    while True:
-        if n_bins > n_items:  # can only happen when num_ranks rounding overshoots the item count
-            raise ValueError(f"cannot give each of {n_bins} micro-batches an episode "
-                             f"({n_items} episodes, num_ranks={num_ranks})")
+    lower = _round_up(max(1, -(-sum(lengths) // max_tokens)), num_ranks)
+    # First-fit-decreasing always fits into as many rows as it opens unconstrained, so rows in
+    # [lower, ffd_rows] are worth trying; a few LPT attempts above `lower`, then FFD's count.
+    ffd_rows = _round_up(len(_ffd(order, lengths, n_items, max_tokens, trim=True)), num_ranks)
+    if ffd_rows > n_items:  # only when num_ranks rounding overshoots the item count
+        raise ValueError(f"cannot give each of {ffd_rows} micro-batches an episode "
+                         f"({n_items} episodes, num_ranks={num_ranks})")
+    bins = None
+    for n_bins in range(lower, ffd_rows, num_ranks):
         bins = _lpt_with_capacity(order, lengths, costs, n_bins, max_tokens)
         if bins is None:
             bins = _ffd(order, lengths, n_bins, max_tokens)
-            if bins is not None and all(bins):
-                _rebalance(bins, lengths, costs, max_tokens)
-            elif bins is not None:
-                bins = None  # an empty row would leave a rank idle; try one more step of rows
-        if bins is not None:
+        if bins is not None or n_bins >= lower + 2 * num_ranks:
             break
-        n_bins += num_ranks
+    if bins is None:
+        bins = _lpt_with_capacity(order, lengths, costs, ffd_rows, max_tokens)
+    if bins is None:
+        bins = _ffd(order, lengths, ffd_rows, max_tokens)
+        _fill_empty_rows(bins, lengths)
+    _rebalance(bins, lengths, costs, max_tokens)
     bins = [sorted(b) for b in bins]
     bins.sort(key=lambda b: (-sum(costs[i] for i in b), b[0]))
     return bins
@@ -206,7 +211,8 @@ def _lpt_with_capacity(order, lengths, costs, n_bins, cap):
     return bins
 
 
-def _ffd(order, lengths, n_bins, cap):
+def _ffd(order, lengths, n_bins, cap, trim=False):
+    """First-fit-decreasing into n_bins rows (None if it does not fit); trim drops unused rows."""
     by_len = sorted(order, key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = [[] for _ in range(n_bins)]
     load = [0] * n_bins
@@ -216,49 +222,53 @@ def _ffd(order, lengths, n_bins, cap):
             return None
         bins[b].append(i)
         load[b] += lengths[i]
-    return bins
+    return [b for b in bins if b] if trim else bins
 
 
-def _rebalance(bins, lengths, costs, cap, max_rounds: int = 1000):
+def _fill_empty_rows(bins, lengths):
+    """Give every empty row the shortest item of the fullest multi-item row (any item fits an
+    empty row), so no rank idles through a micro-batch."""
+    for empty in [b for b in bins if not b]:
+        donor = max((b for b in bins if len(b) > 1), key=lambda b: (sum(lengths[i] for i in b), -min(b)))
+        i = min(donor, key=lambda i: (lengths[i], i))
+        donor.remove(i)
+        empty.append(i)
+
+
+def _rebalance(bins, lengths, costs, cap, max_rounds: int = 200):
     """Lower the most expensive row's cost by moving one item out of it, or swapping one item with
     a cheaper one, into the cheapest row where that fits. Stops when no such move helps."""
-    def tok(b):
-        return sum(lengths[i] for i in b)
-
-    def cst(b):
-        return sum(costs[i] for i in b)
-
     for _ in range(max_rounds):
-        cs = [cst(b) for b in bins]
+        cs = [sum(costs[i] for i in b) for b in bins]
+        ts = [sum(lengths[i] for i in b) for b in bins]
         hi = max(range(len(bins)), key=lambda b: (cs[b], -b))
-        improved = False
+        move = None
         for lo in sorted(range(len(bins)), key=lambda b: (cs[b], b)):
             if lo == hi:
                 continue
-            room = cap - tok(bins[lo])
             best = None  # (new max of the two rows, item in hi, item in lo or None)
             for i in bins[hi]:
-                if len(bins[hi]) > 1 and lengths[i] <= room:
+                if len(bins[hi]) > 1 and ts[lo] + lengths[i] <= cap:
                     m = max(cs[hi] - costs[i], cs[lo] + costs[i])
                     if m < cs[hi] - 1e-9 and (best is None or m < best[0]):
                         best = (m, i, None)
                 for j in bins[lo]:
-                    if costs[j] < costs[i] and lengths[i] - lengths[j] <= room and \
-                            lengths[j] - lengths[i] <= cap - tok(bins[hi]):
+                    d = lengths[i] - lengths[j]
+                    if costs[j] < costs[i] and ts[lo] + d <= cap and ts[hi] - d <= cap:
                         m = max(cs[hi] - costs[i] + costs[j], cs[lo] + costs[i] - costs[j])
                         if m < cs[hi] - 1e-9 and (best is None or m < best[0]):
                             best = (m, i, j)
             if best is not None:
-                _, i, j = best
-                bins[hi].remove(i)
-                bins[lo].append(i)
-                if j is not None:
-                    bins[lo].remove(j)
-                    bins[hi].append(j)
-                improved = True
+                move = (lo, best[1], best[2])
                 break
-        if not improved:
+        if move is None:
             return
+        lo, i, j = move
+        bins[hi].remove(i)
+        bins[lo].append(i)
+        if j is not None:
+            bins[lo].remove(j)
+            bins[hi].append(j)
 
 
 # ----------------------------------------------------------------------------------------------
