@@ -45,10 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(on by default with --drift and a model policy)")
     p.add_argument("--out", required=True, help="run directory (resumable)")
     p.add_argument("--batch-size", type=int, default=8, help="episodes decoded together")
-    p.add_argument("--max-steps", type=int, default=12, help="policy turns per episode (multi-step suites)")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="policy turns per user turn (default: bfcl 20 as BFCL's own limit, builtin 12, "
+                        "tau2 16); --policy gold is never cut (its record is finite)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per assistant turn")
     p.add_argument("--max-response-tokens", type=int, default=128, help="tokens per rehearsed response")
-    p.add_argument("--max-prompt-tokens", type=int, default=6144)
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="default: the model's context length minus --max-new-tokens; longer prompts "
+                        "drop their oldest turns, then their middle")
     p.add_argument("--temperature", type=float, default=0.0, help="committed turns (0 = greedy)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32")
@@ -82,10 +86,13 @@ def make_policy(args: argparse.Namespace):
     return policy
 
 
-def summarize(args: argparse.Namespace, store: ResultStore, keys: set[tuple[str, str]],
+def summarize(args: argparse.Namespace, store: ResultStore, keys_in_order: list[tuple[str, str]],
               wall_s: float, drift: DriftSpec | None) -> dict[str, Any]:
+    keys = set(keys_in_order)
     items = [r for r in store.items() if r.key in keys]
     cats = per_category(items)
+    order = list(dict.fromkeys(c for c, _ in keys_in_order))   # the order categories were asked in
+    cats = {c: cats[c] for c in order if c in cats}
     res: dict[str, Any] = {"suite": args.suite, "policy": args.policy, "categories": cats}
     if args.suite == "bfcl":
         agg = aggregate.bfcl_overall(cats)
@@ -128,11 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.categories = _split(args.categories)
     for name in ("batch_size", "max_steps", "max_new_tokens", "max_response_tokens", "max_prompt_tokens"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.rehearsal_budget < 0:
         raise ValueError(f"--rehearsal-budget must be >= 0, got {args.rehearsal_budget}")
     drift = DriftSpec.parse(args.drift)
+    if args.policy == "gold":
+        args.max_steps = 10**6
     run = suites.build(args.suite, args.categories, args.limit, args.max_steps, args.seed)
     config = {"suite": args.suite, "policy": args.policy, "rehearsal_budget": args.rehearsal_budget,
               "rehearsal_mode": args.rehearsal_mode, "rehearsal_horizon": args.rehearsal_horizon,
@@ -142,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
               "max_prompt_tokens": args.max_prompt_tokens, "measure_fidelity": args.measure_fidelity,
               "limit": args.limit, "batch_size": args.batch_size, "categories": args.categories}
     store = ResultStore(args.out, config)
-    keys = {(c, t.id) for c, t in run.items}
+    keys = [(c, t.id) for c, t in run.items]
     todo = sum(not store.done(c, t.id) for c, t in run.items)
     policy = make_policy(args) if todo else None
     measure = policy is not None and args.policy != "gold" and (args.measure_fidelity or drift is not None)
@@ -163,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             bar.update(1)
             bar.set_postfix(acc=f"{seen[1] / seen[0]:.2f}")
 
-        cfg = HarnessConfig(batch_size=args.batch_size, max_steps=args.max_steps, measure_fidelity=measure)
+        cfg = HarnessConfig(batch_size=args.batch_size, measure_fidelity=measure)
         run_items(run.items, make_env, policy, store, cfg, max_steps_for=run.max_steps_for, on_item=on_item)
         bar.close()
     res = summarize(args, store, keys, time.perf_counter() - t0, drift)

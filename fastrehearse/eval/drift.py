@@ -191,6 +191,15 @@ class DriftEnv(ToolEnv):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
+    @property
+    def tools(self) -> Any:
+        # Environments whose visible tools change mid-task (BFCL miss_func) expose `tools`.
+        t = self.inner.tools
+        if isinstance(t, list):
+            return [x for x in t if not (isinstance(x, dict) and
+                                         x.get("function", {}).get("name") == self.removed)]
+        return t
+
     def reset(self, task: Task) -> ResetResult:
         res = self.inner.reset(task)
         self.removed = None

@@ -7,12 +7,14 @@ pool) and replaced by the next task. The same loop runs `--policy gold` (ground-
 validates the harness and the checkers) and model policies (with or without test-time rehearsal).
 
 Episode end: the assistant answers without a tool call (and the environment has no further user
-turn), or `max_steps` turns were taken. Environments that feed user turns one at a time (BFCL
+turn), or `max_steps` policy turns were taken within one user turn (the episode is then cut short,
+as BFCL force-terminates an entry at its step limit). Environments that feed user turns one at a time (BFCL
 multi-turn) expose `next_user_message() -> dict | None`; the harness asks for it when the policy
 ends a turn, so every turn runs in the real environment state left by the previous one.
 """
 from __future__ import annotations
 
+import inspect
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -31,7 +33,8 @@ class EpisodeState:
     tools: list[dict]
     messages: list[dict]                  # full context (initial messages + trajectory)
     traj: Trajectory = field(default_factory=Trajectory)
-    steps: int = 0
+    steps: int = 0                        # policy turns taken (all user turns)
+    turn_steps: int = 0                   # policy turns since the last user turn
     done: bool = False
     gen_tokens: int = 0
     rehearsal_tokens: int = 0
@@ -62,7 +65,7 @@ class Policy(Protocol):
 @dataclass
 class HarnessConfig:
     batch_size: int = 8
-    max_steps: int = 12                    # policy turns per episode (all user turns together)
+    max_steps: int = 12                    # policy turns per user turn (BFCL's per-turn step limit)
     measure_fidelity: bool = False         # rehearse each real call too ("both" mode) and compare
     on_malformed: str = "error_message"    # "error_message" (tool turn says why) | "end_episode"
 
@@ -144,6 +147,7 @@ def run_items(
         pending: list[tuple[EpisodeState, list[ToolCall]]] = []
         for st, msg in zip(live, replies):
             st.steps += 1
+            st.turn_steps += 1
             good, bad = [], []
             for tc in msg.get("tool_calls") or []:
                 (bad if "malformed" in tc else good).append(tc)
@@ -154,6 +158,9 @@ def run_items(
                 clean.pop("tool_calls", None)
             st.add(clean)
             st.malformed += len(bad)
+            if getattr(st.env, "grades_calls_only", False):
+                st.done = True        # BFCL single-turn: the one turn is graded, nothing runs
+                continue
             if bad and cfg.on_malformed == "end_episode":
                 st.done = True
                 continue
@@ -164,10 +171,13 @@ def run_items(
                 st.add({"role": "tool", "content": f"Error: malformed tool call ({tc['malformed']})"})
             if not calls and not bad:
                 st.traj.final_answer = msg.get("content") or ""
-                nxt = getattr(st.env, "next_user_message", None)
-                user = nxt() if callable(nxt) else None
+                user = _next_user_message(st.env, clean)
                 if user is not None:
                     st.add(user)
+                    st.turn_steps = 0
+                    tools = getattr(st.env, "tools", None)   # BFCL miss_func adds tools mid-task
+                    if isinstance(tools, list) and all(isinstance(t, dict) for t in tools):
+                        st.tools = list(tools)
                 else:
                     st.done = True
         # World-model fidelity ("both" mode): the model rehearses every call before it runs for real.
@@ -181,14 +191,30 @@ def run_items(
                 st.traj.real_calls.append(call)
                 st.add({"role": "tool", "name": call.name, "content": res.content})
                 if id(st) in predicted:
-                    st.fidelity.append(compare_responses(predicted[id(st)][i], res.content))
+                    st.fidelity.append(compare_responses(call.name, predicted[id(st)][i], res.content))
+        for st, _ in pending:
+            if getattr(st.env, "finished", False) is True:   # tau2: the agent called its stop tool
+                st.done = True
         for st in list(live):
             limit = max_steps_for(st.category) if max_steps_for else cfg.max_steps
-            if st.done or st.steps >= limit:
+            if st.done or st.turn_steps >= limit:
                 live.remove(st)
                 finish(st)
         start_next()
     return finished
+
+
+def _next_user_message(env: ToolEnv, assistant_message: dict) -> dict | None:
+    """The environment's next user turn, if it feeds them one at a time (BFCL multi-turn: no
+    argument; tau2 conversational: the agent's reply, which its user simulator answers)."""
+    nxt = getattr(env, "next_user_message", None)
+    if not callable(nxt):
+        return None
+    try:
+        takes_reply = bool(inspect.signature(nxt).parameters)
+    except (TypeError, ValueError):
+        takes_reply = False
+    return nxt(assistant_message) if takes_reply else nxt()
 
 
 def _safe_execute(env: ToolEnv, call: ToolCall) -> ToolResult:
@@ -203,36 +229,10 @@ def _err(e: BaseException) -> str:
     return tb[:500]
 
 
-def compare_responses(rehearsed: str, real: str) -> dict[str, float]:
-    """Exact match and JSON field-level F1 of a rehearsed vs a real response.
+def compare_responses(tool: str, rehearsed: str, real: str) -> dict[str, float]:
+    """Exact match and JSON field-level F1 of a rehearsed vs a real response, with the rollout's
+    fidelity helper, so eval and training metrics mean the same thing."""
+    from fastrehearse.rollout.fidelity import score_pair
 
-    Uses the rollout's fidelity helpers when present so training metrics and eval agree."""
-    try:
-        from fastrehearse.rollout import fidelity as rf   # lands with the rollout engine
-        return {k: float(v) for k, v in rf.compare(rehearsed, real).items()}
-    except (ImportError, AttributeError):
-        return _compare_fallback(rehearsed, real)
-
-
-def _compare_fallback(rehearsed: str, real: str) -> dict[str, float]:
-    from fastrehearse.eval.drift import parse_structured
-
-    exact = float(rehearsed.strip() == real.strip())
-    a, b = parse_structured(rehearsed), parse_structured(real)
-    if a is None or b is None:
-        return {"exact": exact, "field_f1": exact}
-    fa, fb = set(_flatten(a)), set(_flatten(b))
-    if not fa and not fb:
-        return {"exact": exact, "field_f1": 1.0}
-    tp = len(fa & fb)
-    p = tp / len(fa) if fa else 0.0
-    r = tp / len(fb) if fb else 0.0
-    return {"exact": exact, "field_f1": 2 * p * r / (p + r) if p + r else 0.0}
-
-
-def _flatten(obj: Any, prefix: str = "") -> list[tuple[str, str]]:
-    if isinstance(obj, dict):
-        return [x for k, v in obj.items() for x in _flatten(v, f"{prefix}.{k}")]
-    if isinstance(obj, list):
-        return [x for i, v in enumerate(obj) for x in _flatten(v, f"{prefix}[{i}]")]
-    return [(prefix, repr(obj))]
+    s = score_pair(tool, rehearsed, real)
+    return {"exact": float(s.exact), "field_f1": float(s.field_f1)}

@@ -48,11 +48,13 @@ class GoldPolicy:
 class GenConfig:
     max_new_tokens: int = 256          # per assistant turn
     max_response_tokens: int = 128     # per rehearsed tool response
-    max_prompt_tokens: int = 6144      # longer contexts drop their oldest turns first
+    max_prompt_tokens: int | None = None  # None: the model's context minus max_new_tokens; longer
+                                          # contexts drop their oldest turns first
     temperature: float = 0.0           # 0 = greedy (committed turns)
     rehearsal_temperature: float = 0.7 # private rehearsals sample, so parallel drafts differ
     top_p: float = 0.95
     seed: int = 0
+    pad_cells: int = 2048 * 2048 * 2   # max B x T^2 of one left-padded prefill (see generate)
 
 
 class ModelPolicy:
@@ -62,6 +64,9 @@ class ModelPolicy:
         self.name = name
         self.gen = gen or GenConfig()
         self._calls = 0
+        if self.gen.max_prompt_tokens is None:
+            ctx = getattr(model.config, "max_position_embeddings", None) or 8192
+            self.gen.max_prompt_tokens = max(256, ctx - self.gen.max_new_tokens)
         if self.tok.pad_token_id is None:
             self.tok.pad_token = self.tok.eos_token
         # Same rendering and tool-call protocol as training (rollout.template).
@@ -89,7 +94,10 @@ class ModelPolicy:
             # Too long: drop the oldest turn after the system turn and the first user turn (the task).
             first = 1 if msgs and msgs[0].get("role") == "system" else 0
             if len(msgs) - first <= 2:
-                return ids[-self.gen.max_prompt_tokens:]   # still too long: keep the latest tokens
+                # Still too long (e.g. tau2 telecom's ~11k-token policy prompt on an 8k model): keep
+                # the head (instructions, tool schemas) and the latest tokens, cut the middle.
+                tail = min(1024, self.gen.max_prompt_tokens // 4)
+                return ids[:self.gen.max_prompt_tokens - tail] + ids[-tail:]
             del msgs[first + 1]
             while len(msgs) > first + 1 and msgs[first + 1].get("role") == "tool":
                 del msgs[first + 1]   # never leave a tool turn without its call
@@ -105,15 +113,36 @@ class ModelPolicy:
         return r.input_ids[:end] + (sc.assistant_to_tool if msgs[-1]["role"] == "assistant"
                                     else sc.tool_to_tool)
 
-    @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
                  markers: list[str] | None = None) -> list[tuple[int, str]]:
         """Batched decode with a KV cache. Returns (generated tokens, text cut at the first end
-        marker) per prompt. The token count includes tokens past a multi-token marker: real cost."""
+        marker) per prompt. The token count includes tokens past a multi-token marker: real cost.
+
+        Prompts are grouped by length so a padded group costs at most `pad_cells` (B x T^2)
+        attention cells: left padding needs an explicit mask, and a masked prefill takes the
+        O(T^2)-memory SDPA path on CPU, while a prompt alone runs unmasked (causal, memory-lean)."""
         if not prompts:
             return []
         self._calls += 1
         torch.manual_seed(self.gen.seed * 1_000_003 + self._calls)
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        groups, cur = [], []
+        for i in order:
+            width = len(prompts[i])   # ascending: the newest prompt is the group's widest
+            if cur and (len(cur) + 1) * width * width > self.gen.pad_cells:
+                groups.append(cur)
+                cur = []
+            cur.append(i)
+        groups.append(cur)
+        out: list[tuple[int, str] | None] = [None] * len(prompts)
+        for g in groups:
+            for i, r in zip(g, self._generate_group([prompts[i] for i in g], max_new_tokens,
+                                                    temperature, markers)):
+                out[i] = r
+        return out  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def _generate_group(self, prompts, max_new_tokens, temperature, markers):
         pad = self.tok.pad_token_id
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -124,11 +153,15 @@ class ModelPolicy:
         device = next(self.model.parameters()).device
         kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, pad_token_id=pad,
                                   eos_token_id=self.stop_ids or None)
+        if bool(mask.all()):
+            kw["attention_mask"] = None if len(prompts) == 1 else mask.to(device)
+        else:
+            kw["attention_mask"] = mask.to(device)
         if temperature > 0:
             kw.update(do_sample=True, temperature=temperature, top_p=self.gen.top_p, top_k=0)
         else:
             kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kw)
+        out = self.model.generate(input_ids=ids.to(device), **kw)
         markers = markers or self.template.assistant_end_markers
         res = []
         for row in out[:, width:].tolist():
@@ -215,7 +248,8 @@ def parse_turn(text: str) -> dict:
                           "function": {"name": pc.call.name, "arguments": pc.call.arguments}})
         else:
             calls.append({"malformed": pc.error, "kind": pc.error_kind, "raw": pc.raw})
-    msg: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    # raw_text: what the model wrote, for checkers that decode it themselves (BFCL single-turn)
+    msg: dict[str, Any] = {"role": "assistant", "content": parsed.content, "raw_text": text}
     if calls:
         msg["tool_calls"] = calls
     return msg

@@ -20,6 +20,10 @@ BFCL_MULTI = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param"
               "multi_turn_long_context")
 DEFAULT_CATEGORIES = {"builtin": ("test",), "bfcl": BFCL_SINGLE + BFCL_MULTI, "tau2": ("telecom",)}
 SUITES = tuple(DEFAULT_CATEGORIES)
+# Policy turns per user turn. BFCL: its own MAXIMUM_STEP_LIMIT (bfcl_eval/constants/default_prompts.py).
+# builtin tasks need 2-5 calls; tau2 telecom solo tasks a handful (tau2's orchestrator allows 100
+# messages; 16 turns keeps CPU runs bounded -- an episode cut short scores what its state gives).
+DEFAULT_MAX_STEPS = {"builtin": 12, "bfcl": 20, "tau2": 16}
 
 
 @dataclass
@@ -41,11 +45,13 @@ def _get_suite(name: str, **kw) -> Suite:
     raise ImportError(f"fastrehearse.envs has no get_suite() yet: suite {name!r} is unavailable")
 
 
-def build(suite: str, categories: list[str] | None, limit: int | None, max_steps: int,
+def build(suite: str, categories: list[str] | None, limit: int | None, max_steps: int | None = None,
           seed: int = 0) -> SuiteRun:
+    """max_steps None: the suite's default (DEFAULT_MAX_STEPS)."""
     if suite not in SUITES:
         raise ValueError(f"--suite must be one of {SUITES}, got {suite!r}")
     cats = list(categories or DEFAULT_CATEGORIES[suite])
+    max_steps = DEFAULT_MAX_STEPS[suite] if max_steps is None else max_steps
     if limit is not None and limit < 0:
         raise ValueError(f"--limit must be >= 0, got {limit}")
     suites: dict[str, Suite] = {}
@@ -63,17 +69,20 @@ def build(suite: str, categories: list[str] | None, limit: int | None, max_steps
         if bad:
             raise ValueError(f"--categories: unknown BFCL categories {bad}; known: "
                              f"{list(BFCL_SINGLE + BFCL_MULTI)}")
+        multi = None
         for c in cats:
             if c in BFCL_SINGLE:
                 from fastrehearse.eval.bfcl_suite import BfclSingleTurnSuite
-                suites[c] = BfclSingleTurnSuite(c)
+                suites[c] = BfclSingleTurnSuite()
             else:
-                suites[c] = _get_suite("bfcl", category=c)
+                multi = multi or _get_suite("bfcl")
+                suites[c] = multi
             items += [(c, t) for t in suites[c].tasks(c, limit)]
     else:
-        for c in cats:
-            suites[c] = _get_suite("tau2", domain=c)
-            items += [(c, t) for t in suites[c].tasks("test", limit)]
+        s = _get_suite("tau2")
+        for c in cats:      # a domain ("telecom") or "<domain>:<split>" ("telecom:test")
+            suites[c] = s
+            items += [(c, t) for t in s.tasks(c, limit)]
 
     def make_env(c: str) -> ToolEnv:
         return suites[c].make_env()
