@@ -31,6 +31,9 @@ import triton.language as tl
 def row_stats_torch(z, t, inv_temp: float, with_entropy: bool):
     """z: fp32 [C, V] raw logits (not modified). Returns (logp, entropy or None, lse), fp32 [C]."""
     s = z * inv_temp if inv_temp != 1.0 else z
+    if not with_entropy:
+        lse = torch.logsumexp(s, dim=1)
+        return s.gather(1, t.view(-1, 1)).squeeze(1) - lse, None, lse
     m = s.amax(dim=1, keepdim=True)
     sm = s - m                      # shifted logits, <= 0
     e = torch.exp(sm)
@@ -38,31 +41,29 @@ def row_stats_torch(z, t, inv_temp: float, with_entropy: bool):
     log_sum = torch.log(sum_e)
     lse = m.squeeze(1) + log_sum
     logp = sm.gather(1, t.view(-1, 1)).squeeze(1) - log_sum
-    ent = None
-    if with_entropy:
-        e.mul_(sm)
-        ent = log_sum - e.sum(dim=1) / sum_e
+    ent = log_sum - e.mul_(sm).sum(dim=1) / sum_e
     return logp, ent, lse
 
 
 def row_grad_torch(z, t, lse, ent, g1, g2, inv_temp: float, out=None):
-    """dL/dz for one chunk. z fp32 [C, V] is overwritten (scratch); result written to `out`
-    (default: z itself). g1/g2: fp32 [C] or None."""
-    logq = z.mul_(inv_temp).sub_(lse.view(-1, 1))           # log p
-    p = torch.exp(logq)
+    """dL/dz for one chunk. z fp32 [C, V] is scratch (overwritten); the result is returned,
+    copied into `out` when that is a different buffer. g1/g2: fp32 [C] or None.
+
+    Written as few full passes over the chunk as possible (this is the CPU hot loop).
+    """
+    logq = (z.mul_(inv_temp) if inv_temp != 1.0 else z).sub_(lse.view(-1, 1))   # log p
     if g2 is not None:
-        # -p * (g1 + g2 (log p + H)); g1 may be None (entropy-only upstream gradient)
-        coef = logq.add_(ent.view(-1, 1)).mul_(g2.view(-1, 1))
-        if g1 is not None:
-            coef.add_(g1.view(-1, 1))
-        dz = p.mul_(coef).neg_()
+        # dz = -p (g1 + g2 (log p + H)) = p * (-g2 log p - (g1 + g2 H))
+        p = torch.exp(logq)
+        off = g2 * ent if g1 is None else g1 + g2 * ent
+        dz = p.mul_(logq.mul_(-g2.view(-1, 1)).sub_(off.view(-1, 1)))
     else:
-        dz = p.mul_(g1.view(-1, 1)).neg_()
+        dz = logq.exp_().mul_(-g1.view(-1, 1))
     if g1 is not None:
         dz.scatter_add_(1, t.view(-1, 1), g1.view(-1, 1))
     if inv_temp != 1.0:
         dz.mul_(inv_temp)
-    if out is None:
+    if out is None or out.data_ptr() == dz.data_ptr() or out.data_ptr() == z.data_ptr():
         return dz
     out.copy_(dz)
     return out
