@@ -398,7 +398,8 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
 
 
 def _metrics(counts, r_c, lp_c, ent_c, ratio, clipped, dual, kl_c, parts):
-    """Per-role means over the computed tokens, gathered with one host sync."""
+    """Per-role means over the computed tokens, gathered with one host sync. `tokens` counts
+    every token of the role; the means are absent for a role with nothing computed."""
     dev = lp_c.device
     stats = {"ratio": ratio, "clip_frac": clipped.float(), "dual_clip_frac": dual.float(),
              "nll": -lp_c}
@@ -409,16 +410,20 @@ def _metrics(counts, r_c, lp_c, ent_c, ratio, clipped, dual, kl_c, parts):
     k = torch.zeros(NUM_ROLES, device=dev).index_add_(0, r_c, torch.ones_like(lp_c))
     sums = torch.stack([torch.zeros(NUM_ROLES, device=dev).index_add_(0, r_c, v.float())
                         for v in stats.values()])
-    means = (sums / k.clamp_min(1)).tolist()
-    parts = parts.tolist()
+    flat = torch.cat([(sums / k.clamp_min(1)).flatten(), parts.float(), k]).tolist()  # one sync
+    ns = len(stats) * NUM_ROLES
+    means = [flat[i * NUM_ROLES:(i + 1) * NUM_ROLES] for i in range(len(stats))]
+    parts, computed = flat[ns:ns + NUM_ROLES], flat[ns + NUM_ROLES:]
     out = {}
     for role in Role:
         if role == Role.CONTEXT:
             continue
         m = {"tokens": float(counts[role]), "loss": parts[role]}
+        out[role.name.lower()] = m
+        if not computed[role]:  # no tokens, or a weight-0 role (compacted out): no means
+            continue
         for i, name in enumerate(stats):
             if role == Role.OBSERVED and name in ("ratio", "clip_frac", "dual_clip_frac", "kl"):
                 continue
             m[name] = means[i][role]
-        out[role.name.lower()] = m
     return out

@@ -165,8 +165,11 @@ def test_two_process_gloo_equals_single_process(tmp_path):
 def test_zero_weight_role_gives_exactly_zero_gradient(fused, backend):
     batch = make_batch(seed=11)
     cfg = PolicyLossConfig(w_rehearse=0.0, w_observed=0.5)
-    _, dx, dw = run(batch, cfg, fused, backend)
+    out, dx, dw = run(batch, cfg, fused, backend)
     assert torch.all(dx[batch["roles"] == REH] == 0)
+    assert out.metrics["rehearse"]["tokens"] > 0 and out.metrics["rehearse"]["loss"] == 0
+    assert set(out.metrics["rehearse"]) == {"tokens", "loss"}  # nothing computed: no means
+    assert torch.all(out.logp[batch["roles"] == REH] == 0)
     # the same call with REHEARSE tokens relabelled CONTEXT: bitwise the same gradient
     relabel = dict(batch, roles=torch.where(batch["roles"] == REH, CTX, batch["roles"]))
     _, dx2, dw2 = run(relabel, cfg, fused, backend)
