@@ -154,3 +154,24 @@ def test_cli_tiny_model_builtin_with_rehearsal_and_drift(tmp_path):
     assert c["n"] == 2 and 0.0 <= c["accuracy"] <= 1.0
     assert c["mean_gen_tokens"] > 0 and c["mean_rehearsal_tokens"] > 0
     assert res["rehearsal"]["budget"] == 2 and res["drift"] == "rename,errors,units,formats"
+
+
+def test_prefix_cache_reuse_matches_fresh_decode():
+    """Prompts that run alone reuse their episode's KV cache up to the common prefix; greedy
+    outputs equal a fresh decode, and the reused tokens are not prefilled again."""
+    import torch
+
+    from fastrehearse.eval.policies import GenConfig, ModelPolicy
+    from fastrehearse.model import load_model
+
+    model, tok = load_model("tiny-llama", seed=1)
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(200, 40000, (300,), generator=g).tolist()
+    prompts = [base + [11, 12], base + [11, 12, 13, 14, 15], base[:120] + [7], base + [11]]
+    reuse = ModelPolicy(model, tok, "a", GenConfig(pad_cells=1))       # every prompt alone
+    fresh = ModelPolicy(model, tok, "b", GenConfig(pad_cells=1))
+    got = [reuse.generate([p], 12, 0.0, keys=["ep"])[0] for p in prompts]
+    want = [fresh.generate([p], 12, 0.0)[0] for p in prompts]
+    assert got == want
+    # 2nd prompt reuses 302 tokens, 3rd 120 (its common prefix), 4th 120 (the cache was cropped)
+    assert reuse.prefill_tokens_saved == 302 + 120 + 120 and fresh.prefill_tokens_saved == 0

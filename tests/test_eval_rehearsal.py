@@ -27,7 +27,7 @@ class Scripted(ModelPolicy):
         super().__init__(model, tok, "scripted", GenConfig(max_new_tokens=8, max_response_tokens=8))
         self.prompts = []
 
-    def generate(self, prompts, max_new_tokens, temperature, markers=None):
+    def generate(self, prompts, max_new_tokens, temperature, markers=None, keys=None):
         out = []
         for p in prompts:
             text = self.tok.decode(p)

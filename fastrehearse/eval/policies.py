@@ -10,6 +10,7 @@ the environment), which test-time rehearsal and the drift fidelity measurement u
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,7 @@ class GenConfig:
     top_p: float = 0.95
     seed: int = 0
     pad_cells: int = 2048 * 2048 * 2   # max B x T^2 of one left-padded prefill (see generate)
+    kv_cache_entries: int = 8          # episodes whose KV cache is kept for prefix reuse (LRU)
 
 
 class ModelPolicy:
@@ -64,6 +66,8 @@ class ModelPolicy:
         self.name = name
         self.gen = gen or GenConfig()
         self._calls = 0
+        self._kv: OrderedDict = OrderedDict()      # key -> (token ids in the cache, DynamicCache)
+        self.prefill_tokens_saved = 0
         if self.gen.max_prompt_tokens is None:
             ctx = getattr(model.config, "max_position_embeddings", None) or 8192
             self.gen.max_prompt_tokens = max(256, ctx - self.gen.max_new_tokens)
@@ -114,13 +118,18 @@ class ModelPolicy:
                                     else sc.tool_to_tool)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-                 markers: list[str] | None = None) -> list[tuple[int, str]]:
+                 markers: list[str] | None = None, keys: list[Any] | None = None) -> list[tuple[int, str]]:
         """Batched decode with a KV cache. Returns (generated tokens, text cut at the first end
         marker) per prompt. The token count includes tokens past a multi-token marker: real cost.
 
         Prompts are grouped by length so a padded group costs at most `pad_cells` (B x T^2)
         attention cells: left padding needs an explicit mask, and a masked prefill takes the
-        O(T^2)-memory SDPA path on CPU, while a prompt alone runs unmasked (causal, memory-lean)."""
+        O(T^2)-memory SDPA path on CPU, while a prompt alone runs unmasked (causal, memory-lean).
+
+        `keys` (one per prompt, e.g. the episode) enable prefix-cache reuse for prompts that run
+        alone: the KV cache of that key's previous generation is cropped to the longest common
+        token prefix and only the rest is prefilled. Each turn of a long multi-turn episode (BFCL
+        multi-turn ~5k-token tool docs, tau2 telecom ~11k-token policy) then costs its new tokens."""
         if not prompts:
             return []
         self._calls += 1
@@ -136,13 +145,32 @@ class ModelPolicy:
         groups.append(cur)
         out: list[tuple[int, str] | None] = [None] * len(prompts)
         for g in groups:
+            key = keys[g[0]] if keys is not None and len(g) == 1 else None
             for i, r in zip(g, self._generate_group([prompts[i] for i in g], max_new_tokens,
-                                                    temperature, markers)):
+                                                    temperature, markers, key)):
                 out[i] = r
         return out  # type: ignore[return-value]
 
+    def _reuse(self, key: Any, prompt: list[int]):
+        """The cached KV of `key` cropped to its common prefix with `prompt` (>= 1 token left to
+        prefill), or None."""
+        hit = self._kv.pop(key, None)
+        if hit is None:
+            return None
+        ids, cache = hit
+        n = 0
+        for a, b in zip(ids, prompt):
+            if a != b:
+                break
+            n += 1
+        n = min(n, len(prompt) - 1, cache.get_seq_length())
+        if n < 32:
+            return None
+        cache.crop(n - cache.get_seq_length()) if n < cache.get_seq_length() else None
+        return cache
+
     @torch.no_grad()
-    def _generate_group(self, prompts, max_new_tokens, temperature, markers):
+    def _generate_group(self, prompts, max_new_tokens, temperature, markers, key=None):
         pad = self.tok.pad_token_id
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -161,7 +189,19 @@ class ModelPolicy:
             kw.update(do_sample=True, temperature=temperature, top_p=self.gen.top_p, top_k=0)
         else:
             kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        out = self.model.generate(input_ids=ids.to(device), **kw)
+        if key is not None:
+            from transformers import DynamicCache
+            cache = self._reuse(key, prompts[0])
+            kw["past_key_values"] = cache if cache is not None else DynamicCache(config=self.model.config)
+            kw["attention_mask"] = None
+            self.prefill_tokens_saved += cache.get_seq_length() if cache is not None else 0
+        out = self.model.generate(input_ids=ids.to(device), return_dict_in_generate=key is not None, **kw)
+        if key is not None:
+            cache = out.past_key_values
+            out = out.sequences
+            self._kv[key] = (out[0, :cache.get_seq_length()].tolist(), cache)
+            while len(self._kv) > self.gen.kv_cache_entries:
+                self._kv.popitem(last=False)      # least recently used episode
         markers = markers or self.template.assistant_end_markers
         res = []
         for row in out[:, width:].tolist():
@@ -183,7 +223,8 @@ class ModelPolicy:
             if notes is not None and notes[i]:
                 msgs = msgs + [{"role": "system", "content": notes[i]}]
             prompts.append(self.prompt_ids(st.tools, msgs))
-        outs = self.generate(prompts, self.gen.max_new_tokens, self.gen.temperature)
+        outs = self.generate(prompts, self.gen.max_new_tokens, self.gen.temperature,
+                             keys=[episode_key(st) for st in states])
         replies = []
         for st, p, (n, text) in zip(states, prompts, outs):
             st.prompt_tokens += len(p)
@@ -195,14 +236,16 @@ class ModelPolicy:
         """The model's own tool response to each call (world model), in the same context as the
         real one: after the assistant turn that made the calls, one tool turn per call."""
         preds, ptoks, gtoks = self.rehearse_calls(
-            [st.tools for st in states], [_context_before_tools(st.messages) for st in states], calls)
+            [st.tools for st in states], [_context_before_tools(st.messages) for st in states], calls,
+            keys=[episode_key(st) for st in states])
         for st, p, g in zip(states, ptoks, gtoks):
             st.prompt_tokens += p
             st.rehearsal_tokens += g
         return preds
 
     def rehearse_calls(self, tools: list[list[dict]], contexts: list[list[dict]],
-                       calls: list[list[ToolCall]]) -> tuple[list[list[str]], list[int], list[int]]:
+                       calls: list[list[ToolCall]], keys: list[Any] | None = None,
+                       ) -> tuple[list[list[str]], list[int], list[int]]:
         """Play the environment: for context k (ending with the assistant turn that made calls[k]),
         write one tool-response turn per call, each seeing the previous rehearsed ones. Batched
         over contexts. Returns (responses, prompt tokens, generated tokens) per context."""
@@ -218,12 +261,18 @@ class ModelPolicy:
                     {"role": "tool", "name": calls[k][j].name, "content": preds[k][j]} for j in range(i)]
                 prompts.append(self.prompt_ids(tools[k], ctx, open_role="tool"))
             outs = self.generate(prompts, self.gen.max_response_tokens, 0.0,
-                                 markers=self.template.tool_end_markers)
+                                 markers=self.template.tool_end_markers,
+                                 keys=None if keys is None else [keys[k] for k in idx])
             for k, p, (n, text) in zip(idx, prompts, outs):
                 ptoks[k] += len(p)
                 gtoks[k] += n
                 preds[k].append(text.strip())
         return preds, ptoks, gtoks
+
+
+def episode_key(st: EpisodeState) -> tuple[str, str]:
+    """Prefix-cache key: every generation of one episode shares its conversation prefix."""
+    return (st.category, st.task.id)
 
 
 def _context_before_tools(messages: list[dict]) -> list[dict]:

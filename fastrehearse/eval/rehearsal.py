@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from fastrehearse.envs.base import ToolCall
 from fastrehearse.eval.harness import EpisodeState, call_from_message
-from fastrehearse.eval.policies import ModelPolicy, parse_turn
+from fastrehearse.eval.policies import ModelPolicy, episode_key, parse_turn
 
 MODES = ("parallel", "sequential")
 NOTE_HEAD = ("Private rehearsal (simulated by you, nothing was executed). Use it to choose your next "
@@ -89,7 +89,8 @@ class RehearsalPolicy:
             if not live:
                 break
             prompts = [base.prompt_ids(states[which[i]].tools, ctx[i]) for i in live]
-            outs = base.generate(prompts, base.gen.max_new_tokens, base.gen.rehearsal_temperature)
+            outs = base.generate(prompts, base.gen.max_new_tokens, base.gen.rehearsal_temperature,
+                                 keys=[episode_key(states[which[i]]) for i in live])
             calls: list[list[ToolCall]] = []
             msgs = []
             for i, p, (n, text) in zip(live, prompts, outs):
@@ -104,7 +105,8 @@ class RehearsalPolicy:
             preds, ptoks, gtoks = base.rehearse_calls(
                 [states[which[live[j]]].tools for j in with_calls],
                 [ctx[live[j]] + [_strip(msgs[j])] for j in with_calls],
-                [calls[j] for j in with_calls])
+                [calls[j] for j in with_calls],
+                keys=[episode_key(states[which[live[j]]]) for j in with_calls])
             pred_of = {j: p for j, p in zip(with_calls, preds)}
             for j, p, g in zip(with_calls, ptoks, gtoks):
                 st = states[which[live[j]]]
