@@ -242,3 +242,18 @@ def test_compat_shim():
         bfcl_compat.load_entries("nope")
     with pytest.raises(ValueError, match="class_name"):
         bfcl_compat.multi_turn_func_docs("Nope")
+
+
+def test_resource_bounds_on_math_api(tasks):
+    """Model-chosen exponents/precisions that would make BFCL's MathAPI run unbounded are refused."""
+    t = next(t for t in tasks["multi_turn_base"] if "MathAPI" in t.payload["entry"]["involved_classes"])
+    env = SUITE.make_env()
+    env.reset(t)
+    assert env.execute(ToolCall("power", {"base": 2, "exponent": 10})).content == '{"result": 1024}'
+    for call in (ToolCall("power", {"base": 10, "exponent": 10 ** 9}),
+                 ToolCall("square_root", {"number": 2, "precision": 10 ** 8}),
+                 ToolCall("logarithm", {"value": 2, "base": 3, "precision": 10 ** 8})):
+        r = env.execute(call)
+        assert not r.ok and r.error_kind == "bad_arguments" and "<= 1000" in r.content
+    deep = "[" * 100000 + "]" * 100000
+    assert env.execute(ToolCall("mean", deep)).error_kind == "bad_arguments"

@@ -47,6 +47,11 @@ CATEGORY_ALIASES = {c.removeprefix("multi_turn_"): c for c in bfcl_compat.MULTI_
 GOLD_TURN_DONE = "Done."
 GOLD_TURN_BLOCKED = "I cannot complete this request with the functions and information I have."
 _MAX_DEPTH = 16
+# Arguments that make BFCL's MathAPI run unbounded (big-int `base**exponent`, decimal/mpmath
+# precision, which it also sets process-wide). BFCL would hang too; a rollout must not. The
+# ground truth stays far below (logarithm precision <= 10, no power/square_root calls).
+RESOURCE_LIMITS = {("power", "exponent"): 1000, ("square_root", "precision"): 1000,
+                   ("logarithm", "precision"): 1000}
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _counter = itertools.count()
 
@@ -141,8 +146,8 @@ def parse_call(call: ToolCall, docs: dict[str, dict], methods: dict[str, Any]) -
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
-        except ValueError as e:
-            raise CallError("bad_arguments", f"arguments of {name} are not valid JSON: {e}") from None
+        except (ValueError, RecursionError) as e:
+            raise CallError("bad_arguments", f"arguments of {name} are not valid JSON: {e!r}") from None
     if args is None:
         args = {}
     if not isinstance(args, dict):
@@ -155,6 +160,9 @@ def parse_call(call: ToolCall, docs: dict[str, dict], methods: dict[str, Any]) -
         _check_literal(value, key)
         # Declared types are not enforced: BFCL's executor does not, and its own ground truth
         # relies on that (multi_turn_base_173 passes ticket_id='ticket_001' to an integer param).
+        limit = RESOURCE_LIMITS.get((name, key))
+        if limit is not None and isinstance(value, (int, float)) and abs(value) > limit:
+            raise CallError("bad_arguments", f"{name}: |{key}| must be <= {limit} in this environment, got {value!r}")
     missing = [p for p in params.get("required") or [] if p not in args]
     if missing:
         raise CallError("bad_arguments", f"{name}: missing required parameter(s) {missing}")

