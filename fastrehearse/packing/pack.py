@@ -8,13 +8,14 @@ Bin packing. Each episode is an item of size n (tokens, the hard capacity) and c
     c(n) = n + quadratic_coef * n^2
 (the linear layers cost ~24 H^2 FLOPs per token and layer, causal attention ~2 n^2 H per
 sequence and layer, so quadratic_coef ~= 1 / (12 H); the default assumes H ~= 1024). We look for
-the fewest rows B (a multiple of num_ranks) into which the items fit, starting from the lower
-bound ceil(sum n / max_tokens), and for each candidate B try
+few rows B (a multiple of num_ranks): from the lower bound ceil(sum n / max_tokens), up to two more
+steps, try
   1. LPT-with-capacity: items by cost, largest first, each into the cheapest row it fits in
      (balances the per-row cost, which is what ranks wait on), then
-  2. first-fit-decreasing into B rows (the classic near-optimal packer) followed by a local
-     move/swap pass that lowers the most expensive row's cost,
-and keep the first that fits. Ties break by episode index, so the result is deterministic.
+  2. first-fit-decreasing into B rows (the classic near-optimal packer);
+and if none fits, use as many rows as unconstrained first-fit-decreasing opens (it always fits
+there). A local move/swap pass then lowers the most expensive row's cost. Ties break by episode
+index, so the result is deterministic.
 """
 from __future__ import annotations
 
