@@ -250,8 +250,10 @@ class BfclEnv(ToolEnv):
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return ResetResult(tools=list(self.tools), messages=messages)
 
-    def next_user_message(self) -> dict | None:
-        """The next BFCL user turn as one user message, or None after the last turn."""
+    def next_user_message(self, assistant_message: Any = None) -> dict | None:
+        """The next BFCL user turn as one user message, or None after the last turn.
+        (`assistant_message`, the reply that ended the turn, is accepted for a uniform call with
+        tau2's conversational env and ignored: BFCL's user turns are scripted.)"""
         if self.task is None:
             raise RuntimeError("next_user_message() before reset()")
         payload = self.task.payload
