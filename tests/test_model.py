@@ -234,3 +234,26 @@ def test_smollm2_gguf_packed_equals_unpacked():
             # 30 fp32 layers: eager-vs-SDPA rounding measured at ~2e-5 on log-probs down to -14;
             # a leak across the two episodes would be ~1e-1.
             torch.testing.assert_close(logp[cu[k]:cu[k + 1] - 1], reference_logprobs(ref, ep), rtol=0, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA varlen kernels need a GPU")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_varlen_backends_match_per_document_sdpa(family, monkeypatch):
+    """On CUDA, each available varlen kernel (flash-attn, torch varlen_attn) against SDPA run per
+    document, same bf16 model, forward and backward. (Not run on the CPU CI.)"""
+    from fastrehearse.model import available_backends
+    model = tiny(family).to("cuda", torch.bfloat16)
+    batch = build_packed_batch(random_episodes(random.Random(11), [5, 1, 120, 33, 260, 7]), list(range(6)))
+    batch = batch.to("cuda")
+    results = {}
+    for backend in available_backends("cuda", torch.bfloat16):
+        monkeypatch.setenv("FASTREHEARSE_ATTN_BACKEND", backend)
+        model.zero_grad()
+        h = hidden_states(model, batch)
+        h.float().pow(2).mean().backward()
+        results[backend] = (h.detach().float(), model.model.layers[0].self_attn.q_proj.weight.grad.float())
+    h_ref, g_ref = results.pop("sdpa")
+    assert results, "no CUDA varlen backend available (torch.nn.attention.varlen missing?)"
+    for backend, (h, g) in results.items():
+        torch.testing.assert_close(h, h_ref, rtol=0, atol=5e-2, msg=backend)
+        assert ((g - g_ref).norm() / g_ref.norm()).item() < 5e-2, backend
