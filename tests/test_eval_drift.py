@@ -137,3 +137,37 @@ def test_drift_on_builtin_keeps_state_and_scoring(tmp_path):
     done = run_items([("test", t) for t in uses], make_removed, GoldPolicy(),
                      ResultStore(tmp_path / "b", {}), HarnessConfig(batch_size=4))
     assert all(r.score == 0.0 for r in done)
+
+
+def test_fidelity_under_drift(tmp_path):
+    """World-model fidelity ("both" mode): a model whose rehearsed response is the *pre-drift* real
+    response matches exactly without drift, loses the renamed fields under drift."""
+    from fastrehearse.eval.policies import GenConfig, ModelPolicy
+    from fastrehearse.model import load_model
+
+    model, tok = load_model("tiny-llama")
+
+    class Memorized(ModelPolicy):
+        def generate(self, prompts, max_new_tokens, temperature, markers=None, keys=None):
+            out = []
+            for p in prompts:
+                text = self.tok.decode(p)
+                if text.endswith("<tool_response>\n"):
+                    out.append((9, RESP["get_balance"].content))
+                elif text.count("</tool_response>") == 0:
+                    out.append((7, '<tool_call>\n{"name": "get_balance", "arguments": {}}\n</tool_call>'))
+                else:
+                    out.append((2, "Done."))
+            return out
+
+    def run(spec, sub):
+        policy = Memorized(model, tok, "mem", GenConfig())
+        make = (lambda c: Canned(RESP)) if spec is None else (lambda c: DriftEnv(Canned(RESP), DriftSpec.parse(spec)))
+        done = run_items([("c", TASK)], make, policy, ResultStore(tmp_path / sub, {}),
+                         HarnessConfig(batch_size=1, measure_fidelity=True))
+        return done[0].fidelity
+
+    assert run(None, "a") == {"exact": 1.0, "field_f1": 1.0, "calls": 1.0}
+    assert run("rename", "b") == {"exact": 0.0, "field_f1": 0.0, "calls": 1.0}
+    f = run("rename:balance=funds", "c")     # 4 of 5 fields still match
+    assert f["exact"] == 0.0 and f["field_f1"] == pytest.approx(0.8)

@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--prefill-batch-cells", type=int, default=None,
+                   help="max B*T^2 of one padded prefill (default 8M); 1 = every prompt alone, "
+                        "which maximizes KV prefix reuse (best on CPU when prompts are long)")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -67,7 +70,8 @@ def _split(values: list[str] | None) -> list[str] | None:
     return [v for x in values for v in x.split(",") if v]
 
 
-def make_policy(args: argparse.Namespace):
+def make_policy(args: argparse.Namespace, loaded=None):
+    """`loaded`: an already loaded (model, tokenizer) for args.policy (benchmarks reuse one)."""
     if args.policy == "gold":
         if args.rehearsal_budget:
             raise ValueError("--rehearsal-budget needs a model policy (gold replays ground truth)")
@@ -76,9 +80,12 @@ def make_policy(args: argparse.Namespace):
     from fastrehearse.eval.policies import GenConfig, ModelPolicy
     from fastrehearse.model import load_model
 
-    model, tok = load_model(args.policy, dtype=args.dtype, device=args.device, seed=args.seed)
+    model, tok = loaded or load_model(args.policy, dtype=args.dtype, device=args.device, seed=args.seed)
     gen = GenConfig(max_new_tokens=args.max_new_tokens, max_response_tokens=args.max_response_tokens,
-                    max_prompt_tokens=args.max_prompt_tokens, temperature=args.temperature, seed=args.seed)
+                    max_prompt_tokens=args.max_prompt_tokens, temperature=args.temperature, seed=args.seed,
+                    kv_cache_entries=max(8, args.batch_size))
+    if args.prefill_batch_cells is not None:
+        gen.pad_cells = args.prefill_batch_cells
     policy = ModelPolicy(model, tok, name=str(args.policy), gen=gen)
     if args.rehearsal_budget:
         from fastrehearse.eval.rehearsal import RehearsalPolicy
@@ -132,7 +139,12 @@ def _cpu_name() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    run(build_parser().parse_args(argv))
+    return 0
+
+
+def run(args: argparse.Namespace, loaded=None) -> dict[str, Any]:
+    """Run one eval; returns the results.json content. `loaded`: see make_policy."""
     args.categories = _split(args.categories)
     for name in ("batch_size", "max_steps", "max_new_tokens", "max_response_tokens", "max_prompt_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -142,22 +154,23 @@ def main(argv: list[str] | None = None) -> int:
     drift = DriftSpec.parse(args.drift)
     if args.policy == "gold":
         args.max_steps = 10**6
-    run = suites.build(args.suite, args.categories, args.limit, args.max_steps, args.seed)
+    sr = suites.build(args.suite, args.categories, args.limit, args.max_steps, args.seed)
     config = {"suite": args.suite, "policy": args.policy, "rehearsal_budget": args.rehearsal_budget,
               "rehearsal_mode": args.rehearsal_mode, "rehearsal_horizon": args.rehearsal_horizon,
               "drift": drift.describe() if drift else None, "seed": args.seed,
               "max_steps": args.max_steps, "max_new_tokens": args.max_new_tokens,
               "max_response_tokens": args.max_response_tokens, "temperature": args.temperature,
               "max_prompt_tokens": args.max_prompt_tokens, "measure_fidelity": args.measure_fidelity,
+              "prefill_batch_cells": args.prefill_batch_cells,
               "limit": args.limit, "batch_size": args.batch_size, "categories": args.categories}
     store = ResultStore(args.out, config)
-    keys = [(c, t.id) for c, t in run.items]
-    todo = sum(not store.done(c, t.id) for c, t in run.items)
-    policy = make_policy(args) if todo else None
+    keys = [(c, t.id) for c, t in sr.items]
+    todo = sum(not store.done(c, t.id) for c, t in sr.items)
+    policy = make_policy(args, loaded) if todo else None
     measure = policy is not None and args.policy != "gold" and (args.measure_fidelity or drift is not None)
 
     def make_env(c: str):
-        env = run.make_env(c)
+        env = sr.make_env(c)
         return DriftEnv(env, drift) if drift else env
 
     t0 = time.perf_counter()
@@ -173,15 +186,15 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_postfix(acc=f"{seen[1] / seen[0]:.2f}")
 
         cfg = HarnessConfig(batch_size=args.batch_size, measure_fidelity=measure)
-        run_items(run.items, make_env, policy, store, cfg, max_steps_for=run.max_steps_for, on_item=on_item)
+        run_items(sr.items, make_env, policy, store, cfg, max_steps_for=sr.max_steps_for, on_item=on_item)
         bar.close()
     res = summarize(args, store, keys, time.perf_counter() - t0, drift)
     store.write_results(res)
     report.write_run_report(res, args.out)
     if not args.quiet:
         print(report.results_markdown(res))
-        print(f"wrote {store.dir / 'results.json'}  ({len(run.items) - todo} items resumed, {todo} run)")
-    return 0
+        print(f"wrote {store.dir / 'results.json'}  ({len(sr.items) - todo} items resumed, {todo} run)")
+    return res
 
 
 if __name__ == "__main__":

@@ -1,0 +1,162 @@
+"""Eval report: the untrained SmolLM2-135M base (and the demo-trained checkpoint when one exists) on
+builtin-test, BFCL v4 (all 12 listed categories) and tau2 telecom (solo), with and without test-time
+rehearsal, plus an API-drift row with world-model fidelity.
+
+    python benchmarks/bench_eval.py                       # sized for a 2-core CPU, ~15 minutes
+    python benchmarks/bench_eval.py --limit-builtin 50 --limit-bfcl 20 --limit-tau2 20 --budget-s 0
+
+Every run is a `fastrehearse eval` run directory under --runs (resumable: rerunning the benchmark
+continues where it stopped). Runs go in priority order; once --budget-s seconds have passed, the
+remaining runs are listed as skipped instead of started. Sample sizes are tiny on a CPU: read the
+accuracies as a smoke check of the pipeline, not as model quality (n is in every row).
+
+Writes --json (all rows + per-category results), a markdown table next to it, and a PNG of
+accuracy / generated tokens against the rehearsal budget N.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fastrehearse.eval import cli, report  # noqa: E402
+
+DEMO_CANDIDATES = ("runs/demo/export", "runs/demo/hf", "runs/demo/final", "runs/demo")
+
+
+def find_demo_checkpoint() -> str | None:
+    """The demo run's exported HF checkpoint, if the trainer produced one (config + safetensors)."""
+    for c in DEMO_CANDIDATES:
+        p = ROOT / c
+        if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
+            return str(p)
+    return None
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def plan(a) -> list[dict]:
+    """(suite, rehearsal N, drift) in priority order."""
+    base = [("builtin", 0, None), ("bfcl", 0, None), ("tau2", 0, None)]
+    sweep = [("builtin", n, None) for n in a.budgets if n]
+    rehearse_long = [("bfcl", a.long_budget, None), ("tau2", a.long_budget, None)] if a.long_budget else []
+    drift = [("builtin", 0, "measure"), ("builtin", 0, a.drift)] if a.drift else []
+    return [dict(suite=s, n=n, drift=d) for s, n, d in base + sweep + drift + rehearse_long]
+
+
+def eval_args(a, model_spec: str, suite: str, n: int, drift: str | None, out: Path):
+    limit = {"builtin": a.limit_builtin, "bfcl": a.limit_bfcl, "tau2": a.limit_tau2}[suite]
+    steps = {"builtin": a.steps_builtin, "bfcl": a.steps_bfcl, "tau2": a.steps_tau2}[suite]
+    argv = ["--suite", suite, "--policy", model_spec, "--limit", str(limit), "--max-steps", str(steps),
+            "--max-new-tokens", str(a.max_new_tokens), "--max-response-tokens", str(a.max_response_tokens),
+            "--batch-size", str(a.batch_size), "--prefill-batch-cells", str(a.prefill_batch_cells),
+            "--rehearsal-budget", str(n), "--rehearsal-mode", a.mode, "--out", str(out), "--quiet"]
+    if drift == "measure":
+        argv.append("--measure-fidelity")
+    elif drift:
+        argv += ["--drift", drift]
+    return cli.build_parser().parse_args(argv)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=None,
+                   help="comma-separated model specs (default: smollm2, plus the demo checkpoint if found)")
+    p.add_argument("--limit-builtin", type=int, default=4)
+    p.add_argument("--limit-bfcl", type=int, default=1, help="items per BFCL category (12 categories)")
+    p.add_argument("--limit-tau2", type=int, default=1)
+    p.add_argument("--steps-builtin", type=int, default=4)
+    p.add_argument("--steps-bfcl", type=int, default=2, help="policy turns per BFCL user turn")
+    p.add_argument("--steps-tau2", type=int, default=3)
+    p.add_argument("--budgets", default="0,1,2,4", help="rehearsal budgets N swept on builtin")
+    p.add_argument("--long-budget", type=int, default=2, help="rehearsal N for the BFCL/tau2 rows (0: none)")
+    p.add_argument("--mode", default="parallel", choices=("parallel", "sequential"))
+    p.add_argument("--drift", default="all", help="drift spec of the drift row ('' to skip)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-response-tokens", type=int, default=48)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--prefill-batch-cells", type=int, default=1,
+                   help="1: every prompt decoded alone with KV prefix reuse (fastest on CPU here)")
+    p.add_argument("--budget-s", type=float, default=900, help="stop starting runs after this (0: no limit)")
+    p.add_argument("--runs", default="benchmarks/results/eval_runs")
+    p.add_argument("--json", default="benchmarks/results/eval_smollm2.json")
+    a = p.parse_args()
+    a.budgets = [int(x) for x in a.budgets.split(",") if x.strip()]
+
+    import torch
+
+    from fastrehearse.model import load_model
+
+    models = a.models.split(",") if a.models else ["smollm2"] + ([find_demo_checkpoint()] if find_demo_checkpoint() else [])
+    t_start = time.perf_counter()
+    rows, skipped = [], []
+    for spec in models:
+        tag = "smollm2-135m-base" if spec == "smollm2" else ("demo-" + Path(spec).name if "demo" in spec else Path(spec).name)
+        loaded = None
+        for job in plan(a):
+            name = f"{job['suite']}-r{job['n']}" + (f"-drift" if job["drift"] and job["drift"] != "measure" else "") + (
+                "-fidelity" if job["drift"] == "measure" else "")
+            out = ROOT / a.runs / tag / name
+            if a.budget_s and time.perf_counter() - t_start > a.budget_s and not (out / "results.json").exists():
+                skipped.append({"model": tag, "run": name})
+                continue
+            if loaded is None:
+                loaded = load_model(spec)
+            t0 = time.perf_counter()
+            res = cli.run(eval_args(a, spec, job["suite"], job["n"], job["drift"], out), loaded)
+            wall = time.perf_counter() - t0
+            fid = [c.get("fidelity") for c in res["categories"].values() if c.get("fidelity")]
+            row = {"model": tag, "suite": job["suite"] if not job["drift"] else
+                   f"{job['suite']} ({'drift ' + res['drift'] if res['drift'] else 'no drift'})",
+                   "rehearsal": job["n"], "n": res["n"], "overall": res["overall"],
+                   "bfcl_overall_strict": res.get("bfcl_overall_strict"),
+                   "gen_tokens": res["tokens"]["gen_per_item"], "rehearsal_tokens": res["tokens"]["rehearsal_per_item"],
+                   "seconds": wall, "run_dir": str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out), "categories": res["categories"],
+                   "fidelity": fid[0] if fid else None}
+            rows.append(row)
+            print(f"[{time.perf_counter() - t_start:6.0f}s] {tag} {name}: acc={res['overall']:.3f} n={res['n']} "
+                  f"({wall:.0f}s)", flush=True)
+    total = time.perf_counter() - t_start
+    meta = {"hardware": {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                         "python": platform.python_version()},
+            "settings": {k: v for k, v in vars(a).items() if k not in ("models",)},
+            "models": models, "total_wall_s": total, "skipped_runs": skipped}
+    out_json = ROOT / a.json
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    md = (f"Eval report ({', '.join(models)}; CPU: {meta['hardware']['cpu']}, torch {torch.__version__}, "
+          f"{total:.0f} s wall)\n\n" + report.comparison_markdown(rows))
+    fid_rows = [r for r in rows if r["fidelity"]]
+    if fid_rows:
+        md += "\nWorld-model fidelity (rehearsed vs real response of each real call):\n\n"
+        md += "| model | run | calls | exact (%) | field F1 (%) |\n|---|---|---:|---:|---:|\n"
+        for r in fid_rows:
+            f = r["fidelity"]
+            md += (f"| {r['model']} | {r['suite']} | {f.get('n_items', 0):.0f} items | {100 * f.get('exact', 0):.1f} | "
+                   f"{100 * f.get('field_f1', 0):.1f} |\n")
+    if skipped:
+        md += f"\nSkipped (time budget {a.budget_s:.0f} s): " + ", ".join(f"{s['model']}/{s['run']}" for s in skipped) + "\n"
+    out_json.with_suffix(".md").write_text(md)
+    sweep = [r for r in rows if r["suite"] == "builtin"]
+    if sweep:
+        report.plot_rehearsal_sweep(sweep, out_json.with_suffix(".png"))
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
