@@ -350,8 +350,9 @@ class _Row:
             reward = float(self.cfg.malformed_reward)
         meta = {"stop_reason": self.stop_reason, "turns": self.turns, "calls": self.call_log,
                 "malformed": dict(self.malformed), "seed": self.p.seed,
-                "prompt_tokens": len(self.p.input_ids), "trajectory": self.traj,
-                "fidelity": [vars(s) for s in self.fidelity]}
+                "prompt_tokens": len(self.p.input_ids),
+                "fidelity": [vars(s) for s in self.fidelity]}  # JSON-friendly; trajectories are
+        # returned beside the episodes (RolloutResult.trajectories)
         if score_error:
             meta["score_error"] = score_error
         return Episode(input_ids=self.ids, roles=self.roles, task_id=task.id if task else "",
