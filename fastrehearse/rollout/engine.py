@@ -380,6 +380,8 @@ class RolloutEngine:
         self.backend_factory = backend_factory or (lambda: HFGenerator(model, pad_id=pad))
         self.logits_processor = logits_processor
         self.eos_ids = {i for i in (tok.eos_token_id,) if i is not None}
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        self.eos_ids |= set(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]) - {None}
         for m in self.template.assistant_end_markers:
             ids = tok.encode(m, add_special_tokens=False)
             if len(ids) == 1:
