@@ -179,12 +179,12 @@ def test_logprobs_equal_reforward(spec):
         configs = configs[:1]
     for seed, (mode, temp, chunk) in enumerate(configs):
         eng, res = run(model, tok, tmpl, seed=seed, mode=mode, temperature=temp, top_p=0.95,
-                       max_chunk=chunk, n_tasks=2, group=3)
+                       max_chunk=chunk, n_tasks=2, group=2)
         for ep in res.episodes:
             for ref, got in reforward_logprobs(model, ep, eng.logits_processor, temp):
                 assert abs(ref - got) < 1e-4, (ref, got)
                 checked += 1
-    assert checked > (200 if spec == "tiny-llama" else 60)
+    assert checked > (150 if spec == "tiny-llama" else 40)
 
 
 def test_real_mode_inserts_observed_env_text(llama):

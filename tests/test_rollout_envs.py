@@ -104,3 +104,32 @@ def test_sampler_distribution_and_logprobs():
     for bad, kw in [("temperature", dict(temperature=-1.0, top_p=1.0)), ("top_p", dict(temperature=1.0, top_p=0.0))]:
         with pytest.raises(ValueError, match=bad):
             sample(logits, uniforms=torch.zeros(3), **kw)
+
+
+@pytest.mark.slow
+def test_real_smollm2_rollout_logprobs_and_gold():
+    """The real SmolLM2-135M: free sampling in hybrid mode (role tags consistent, log-probs equal a
+    re-forward) and one gold-forced rehearse episode scoring 1.0."""
+    model, tok = load_model("smollm2")
+    tmpl = ChatTemplate(tok)
+    suite = BuiltinSuite(level="easy", n_train=4, n_test=4)
+    tasks = suite.tasks("train", limit=2)
+    eng = RolloutEngine(model, tok, RolloutConfig(mode="hybrid", temperature=0.9, max_new_tokens=32,
+                                                  max_episode_tokens=2048), template=tmpl)
+    res = eng.rollout(tasks[1:], suite, group_size=1, seed=0)
+    for ep in res.episodes:
+        with torch.no_grad():
+            logits = model(torch.tensor([ep.input_ids])).logits[0].float()
+        ref = torch.log_softmax(logits / 0.9, -1)
+        for t in range(1, len(ep.input_ids)):
+            lp = ep.rollout_logprobs[t]
+            assert (ep.roles[t] in (Role.ACT, Role.REHEARSE)) == (not math.isnan(lp))
+            if not math.isnan(lp):
+                assert abs(float(ref[t - 1, ep.input_ids[t]]) - lp) < 1e-4
+    task = tasks[0]
+    acts = [assistant_text(m) for m in task.gold if m["role"] == "assistant"]
+    tools = [m["content"] for m in task.gold if m["role"] == "tool"]
+    eng = RolloutEngine(model, tok, RolloutConfig(mode="rehearse", max_new_tokens=120), template=tmpl,
+                        logits_processor=ScriptedTurns(tmpl, acts, tools))
+    ep = eng.rollout([task], suite, seed=0).episodes[0]
+    assert ep.reward == 1.0 and ep.metadata["stop_reason"] == "final_answer"

