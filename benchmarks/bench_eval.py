@@ -49,26 +49,40 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def plan(a) -> list[dict]:
-    """(suite, rehearsal N, drift) in priority order."""
-    base = [("builtin", 0, None), ("bfcl", 0, None), ("tau2", 0, None)]
-    sweep = [("builtin", n, None) for n in a.budgets if n]
-    rehearse_long = [("bfcl", a.long_budget, None), ("tau2", a.long_budget, None)] if a.long_budget else []
-    drift = [("builtin", 0, "measure"), ("builtin", 0, a.drift)] if a.drift else []
-    return [dict(suite=s, n=n, drift=d) for s, n, d in base + sweep + drift + rehearse_long]
+SINGLE = "simple_python,multiple,parallel,parallel_multiple,live_simple,live_multiple,irrelevance,live_irrelevance"
+MULTI = "multi_turn_base,multi_turn_miss_func,multi_turn_miss_param,multi_turn_long_context"
+# (run name, suite, categories, rehearsal N, drift) in priority order: cheap, informative runs first.
+JOBS = [
+    ("builtin-r0", "builtin", None, 0, None),
+    ("bfcl-single-r0", "bfcl", SINGLE, 0, None),
+    ("builtin-r1", "builtin", None, 1, None),
+    ("builtin-r2", "builtin", None, 2, None),
+    ("builtin-r4", "builtin", None, 4, None),
+    ("bfcl-single-r2", "bfcl", SINGLE, 2, None),
+    ("bfcl-multi-r0", "bfcl", MULTI, 0, None),
+    ("tau2-r0", "tau2", None, 0, None),
+    ("builtin-r0-drift", "builtin", None, 0, "all"),
+    ("bfcl-multi-r2", "bfcl", MULTI, 2, None),
+    ("tau2-r2", "tau2", None, 2, None),
+]
 
 
-def eval_args(a, model_spec: str, suite: str, n: int, drift: str | None, out: Path):
+def eval_args(a, model_spec: str, suite: str, cats: str | None, n: int, drift: str | None, out: Path,
+              time_left: float | None):
     limit = {"builtin": a.limit_builtin, "bfcl": a.limit_bfcl, "tau2": a.limit_tau2}[suite]
     steps = {"builtin": a.steps_builtin, "bfcl": a.steps_bfcl, "tau2": a.steps_tau2}[suite]
     argv = ["--suite", suite, "--policy", model_spec, "--limit", str(limit), "--max-steps", str(steps),
             "--max-new-tokens", str(a.max_new_tokens), "--max-response-tokens", str(a.max_response_tokens),
             "--batch-size", str(a.batch_size), "--prefill-batch-cells", str(a.prefill_batch_cells),
             "--rehearsal-budget", str(n), "--rehearsal-mode", a.mode, "--out", str(out), "--quiet"]
-    if drift == "measure":
-        argv.append("--measure-fidelity")
-    elif drift:
+    if cats:
+        argv += ["--categories", cats]
+    if drift:
         argv += ["--drift", drift]
+    if suite == "tau2" and a.tau2_prompt_tokens:
+        argv += ["--max-prompt-tokens", str(a.tau2_prompt_tokens)]
+    if time_left is not None:
+        argv += ["--time-limit-s", str(max(1.0, time_left))]
     return cli.build_parser().parse_args(argv)
 
 
@@ -76,16 +90,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=None,
                    help="comma-separated model specs (default: smollm2, plus the demo checkpoint if found)")
-    p.add_argument("--limit-builtin", type=int, default=4)
+    p.add_argument("--limit-builtin", type=int, default=2)
     p.add_argument("--limit-bfcl", type=int, default=1, help="items per BFCL category (12 categories)")
     p.add_argument("--limit-tau2", type=int, default=1)
     p.add_argument("--steps-builtin", type=int, default=4)
-    p.add_argument("--steps-bfcl", type=int, default=2, help="policy turns per BFCL user turn")
-    p.add_argument("--steps-tau2", type=int, default=3)
-    p.add_argument("--budgets", default="0,1,2,4", help="rehearsal budgets N swept on builtin")
-    p.add_argument("--long-budget", type=int, default=2, help="rehearsal N for the BFCL/tau2 rows (0: none)")
+    p.add_argument("--steps-bfcl", type=int, default=1, help="policy turns per BFCL user turn")
+    p.add_argument("--steps-tau2", type=int, default=2)
+    p.add_argument("--jobs", default=None, help="comma-separated run names from JOBS (default: all, in order)")
+    p.add_argument("--tau2-prompt-tokens", type=int, default=0,
+                   help="cap tau2's ~11k-token prompt (head + latest tokens kept); 0: the model's context")
     p.add_argument("--mode", default="parallel", choices=("parallel", "sequential"))
-    p.add_argument("--drift", default="all", help="drift spec of the drift row ('' to skip)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-response-tokens", type=int, default=48)
     p.add_argument("--batch-size", type=int, default=4)
@@ -95,7 +109,7 @@ def main() -> int:
     p.add_argument("--runs", default="benchmarks/results/eval_runs")
     p.add_argument("--json", default="benchmarks/results/eval_smollm2.json")
     a = p.parse_args()
-    a.budgets = [int(x) for x in a.budgets.split(",") if x.strip()]
+    jobs = [j for j in JOBS if a.jobs is None or j[0] in a.jobs.split(",")]
 
     import torch
 
@@ -107,22 +121,21 @@ def main() -> int:
     for spec in models:
         tag = "smollm2-135m-base" if spec == "smollm2" else ("demo-" + Path(spec).name if "demo" in spec else Path(spec).name)
         loaded = None
-        for job in plan(a):
-            name = f"{job['suite']}-r{job['n']}" + (f"-drift" if job["drift"] and job["drift"] != "measure" else "") + (
-                "-fidelity" if job["drift"] == "measure" else "")
+        for name, suite, cats, n, drift in jobs:
             out = ROOT / a.runs / tag / name
-            if a.budget_s and time.perf_counter() - t_start > a.budget_s and not (out / "results.json").exists():
+            left = None if not a.budget_s else a.budget_s - (time.perf_counter() - t_start)
+            if left is not None and left <= 0:
                 skipped.append({"model": tag, "run": name})
                 continue
             if loaded is None:
                 loaded = load_model(spec)
             t0 = time.perf_counter()
-            res = cli.run(eval_args(a, spec, job["suite"], job["n"], job["drift"], out), loaded)
+            res = cli.run(eval_args(a, spec, suite, cats, n, drift, out, left), loaded)
             wall = time.perf_counter() - t0
             fid = [c.get("fidelity") for c in res["categories"].values() if c.get("fidelity")]
-            row = {"model": tag, "suite": job["suite"] if not job["drift"] else
-                   f"{job['suite']} ({'drift ' + res['drift'] if res['drift'] else 'no drift'})",
-                   "rehearsal": job["n"], "n": res["n"], "overall": res["overall"],
+            label = suite + (" single-turn" if cats == SINGLE else " multi-turn" if cats == MULTI else "")
+            row = {"model": tag, "suite": label + (f" (drift {res['drift']})" if res["drift"] else ""),
+                   "rehearsal": n, "n": res["n"], "overall": res["overall"],
                    "bfcl_overall_strict": res.get("bfcl_overall_strict"),
                    "gen_tokens": res["tokens"]["gen_per_item"], "rehearsal_tokens": res["tokens"]["rehearsal_per_item"],
                    "seconds": wall, "run_dir": str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out), "categories": res["categories"],
@@ -151,7 +164,7 @@ def main() -> int:
     if skipped:
         md += f"\nSkipped (time budget {a.budget_s:.0f} s): " + ", ".join(f"{s['model']}/{s['run']}" for s in skipped) + "\n"
     out_json.with_suffix(".md").write_text(md)
-    sweep = [r for r in rows if r["suite"] == "builtin"]
+    sweep = [r for r in rows if "drift" not in r["suite"]]
     if sweep:
         report.plot_rehearsal_sweep(sweep, out_json.with_suffix(".png"))
     print(md)

@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-batch-cells", type=int, default=None,
                    help="max B*T^2 of one padded prefill (default 8M); 1 = every prompt alone, "
                         "which maximizes KV prefix reuse (best on CPU when prompts are long)")
+    p.add_argument("--time-limit-s", type=float, default=None,
+                   help="start no new item after this many seconds (live ones finish; rerun to resume)")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -185,7 +187,8 @@ def run(args: argparse.Namespace, loaded=None) -> dict[str, Any]:
             bar.update(1)
             bar.set_postfix(acc=f"{seen[1] / seen[0]:.2f}")
 
-        cfg = HarnessConfig(batch_size=args.batch_size, measure_fidelity=measure)
+        cfg = HarnessConfig(batch_size=args.batch_size, measure_fidelity=measure,
+                            deadline=None if args.time_limit_s is None else t0 + args.time_limit_s)
         run_items(sr.items, make_env, policy, store, cfg, max_steps_for=sr.max_steps_for, on_item=on_item)
         bar.close()
     res = summarize(args, store, keys, time.perf_counter() - t0, drift)

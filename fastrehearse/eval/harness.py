@@ -68,6 +68,8 @@ class HarnessConfig:
     max_steps: int = 12                    # policy turns per user turn (BFCL's per-turn step limit)
     measure_fidelity: bool = False         # rehearse each real call too ("both" mode) and compare
     on_malformed: str = "error_message"    # "error_message" (tool turn says why) | "end_episode"
+    deadline: float | None = None          # time.perf_counter() after which no new item starts
+                                           # (live ones finish; a rerun resumes the rest)
 
 
 def call_from_message(tc: dict) -> ToolCall:
@@ -97,6 +99,8 @@ def run_items(
 
     def start_next() -> None:
         while queue and len(live) < cfg.batch_size:
+            if cfg.deadline is not None and time.perf_counter() > cfg.deadline:
+                return
             cat, task = queue.pop()
             env = make_env(cat)
             try:

@@ -103,7 +103,7 @@ class ResultStore:
 
 
 # Keys a rerun may change without invalidating finished items (more items, smaller batches).
-_RESUME_FREE_KEYS = {"limit", "batch_size", "categories", "prefill_batch_cells"}
+_RESUME_FREE_KEYS = {"limit", "batch_size", "categories", "prefill_batch_cells", "time_limit_s"}
 
 
 def per_category(items: list[ItemResult]) -> dict[str, dict[str, Any]]:
