@@ -68,6 +68,7 @@ class HarnessConfig:
     max_steps: int = 12                    # policy turns per user turn (BFCL's per-turn step limit)
     measure_fidelity: bool = False         # rehearse each real call too ("both" mode) and compare
     on_malformed: str = "error_message"    # "error_message" (tool turn says why) | "end_episode"
+    keep_transcripts: bool = True          # what the agent said and saw, clipped, in items.jsonl
     deadline: float | None = None          # time.perf_counter() after which no new item starts
                                            # (live ones finish; a rerun resumes the rest)
 
@@ -131,7 +132,8 @@ def run_items(
             id=st.task.id, category=st.category, score=score, steps=st.steps,
             real_calls=len(st.traj.real_calls), gen_tokens=st.gen_tokens,
             rehearsal_tokens=st.rehearsal_tokens, prompt_tokens=st.prompt_tokens,
-            malformed=st.malformed, error=error, time_s=time.perf_counter() - st.t0, fidelity=fid)
+            malformed=st.malformed, error=error, time_s=time.perf_counter() - st.t0, fidelity=fid,
+            extra={"transcript": _transcript(st.traj.messages)} if cfg.keep_transcripts else {})
         store.add(r)
         finished.append(r)
         if on_item is not None:
@@ -206,6 +208,19 @@ def run_items(
                 finish(st)
         start_next()
     return finished
+
+
+def _transcript(messages: list[dict], clip: int = 400) -> list[dict]:
+    out = []
+    for m in messages:
+        d = {"role": m.get("role")}
+        text = m.get("raw_text") if m.get("role") == "assistant" and "raw_text" in m else m.get("content")
+        if isinstance(text, str):
+            d["content"] = text if len(text) <= clip else text[:clip] + f"...[{len(text) - clip} chars]"
+        if m.get("tool_calls") and "raw_text" not in m:
+            d["tool_calls"] = [tc.get("function", tc) for tc in m["tool_calls"]]
+        out.append(d)
+    return out
 
 
 def _next_user_message(env: ToolEnv, assistant_message: dict) -> dict | None:

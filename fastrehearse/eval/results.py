@@ -87,7 +87,7 @@ class ResultStore:
     def add(self, result: ItemResult) -> None:
         self._items[result.key] = result
         with open(self.items_path, "a") as f:
-            f.write(json.dumps(asdict(result), sort_keys=True) + "\n")
+            f.write(json.dumps(asdict(result), sort_keys=True, default=str) + "\n")
             f.flush()
             os.fsync(f.fileno())
 
