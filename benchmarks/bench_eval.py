@@ -59,9 +59,10 @@ JOBS = [
     ("builtin-r2", "builtin", None, 2, None),
     ("builtin-r4", "builtin", None, 4, None),
     ("bfcl-single-r2", "bfcl", SINGLE, 2, None),
-    ("bfcl-multi-r0", "bfcl", MULTI, 0, None),
     ("tau2-r0", "tau2", None, 0, None),
+    ("bfcl-multi-base-r0", "bfcl", "multi_turn_base", 0, None),
     ("builtin-r0-drift", "builtin", None, 0, "all"),
+    ("bfcl-multi-r0", "bfcl", MULTI, 0, None),
     ("bfcl-multi-r2", "bfcl", MULTI, 2, None),
     ("tau2-r2", "tau2", None, 2, None),
 ]
@@ -133,7 +134,8 @@ def main() -> int:
             res = cli.run(eval_args(a, spec, suite, cats, n, drift, out, left), loaded)
             wall = time.perf_counter() - t0
             fid = [c.get("fidelity") for c in res["categories"].values() if c.get("fidelity")]
-            label = suite + (" single-turn" if cats == SINGLE else " multi-turn" if cats == MULTI else "")
+            label = suite + (" single-turn" if cats == SINGLE else " multi-turn" if cats == MULTI
+                             else f" {cats}" if cats else "")
             row = {"model": tag, "suite": label + (f" (drift {res['drift']})" if res["drift"] else ""),
                    "rehearsal": n, "n": res["n"], "overall": res["overall"],
                    "bfcl_overall_strict": res.get("bfcl_overall_strict"),

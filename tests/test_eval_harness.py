@@ -175,3 +175,13 @@ def test_prefix_cache_reuse_matches_fresh_decode():
     assert got == want
     # 2nd prompt reuses 302 tokens, 3rd 120 (its common prefix), 4th 120 (the cache was cropped)
     assert reuse.prefill_tokens_saved == 302 + 120 + 120 and fresh.prefill_tokens_saved == 0
+
+
+def test_deadline_stops_new_items_and_rerun_resumes(tmp_path):
+    import time
+
+    tasks = BuiltinSuite().tasks("test", 3)
+    _, done = _run(GoldPolicy(), tasks, tmp_path, HarnessConfig(batch_size=1, deadline=time.perf_counter() - 1))
+    assert done == []
+    _, done = _run(GoldPolicy(), tasks, tmp_path, HarnessConfig(batch_size=1))
+    assert len(done) == 3 and all("transcript" in r.extra for r in done)
