@@ -97,7 +97,8 @@ def main() -> int:
     p.add_argument("--steps-builtin", type=int, default=4)
     p.add_argument("--steps-bfcl", type=int, default=1, help="policy turns per BFCL user turn")
     p.add_argument("--steps-tau2", type=int, default=2)
-    p.add_argument("--jobs", default=None, help="comma-separated run names from JOBS (default: all, in order)")
+    p.add_argument("--jobs", default=None,
+                   help="comma-separated run names from JOBS, run in that order (default: all JOBS)")
     p.add_argument("--tau2-prompt-tokens", type=int, default=0,
                    help="cap tau2's ~11k-token prompt (head + latest tokens kept); 0: the model's context")
     p.add_argument("--mode", default="parallel", choices=("parallel", "sequential"))
@@ -110,7 +111,12 @@ def main() -> int:
     p.add_argument("--runs", default="benchmarks/results/eval_runs")
     p.add_argument("--json", default="benchmarks/results/eval_smollm2.json")
     a = p.parse_args()
-    jobs = [j for j in JOBS if a.jobs is None or j[0] in a.jobs.split(",")]
+    by_name = {j[0]: j for j in JOBS}
+    if a.jobs:
+        bad = [n for n in a.jobs.split(",") if n not in by_name]
+        if bad:
+            raise ValueError(f"--jobs: unknown run(s) {bad}; known: {list(by_name)}")
+    jobs = [by_name[n] for n in a.jobs.split(",")] if a.jobs else JOBS   # --jobs order = run order
 
     import torch
 
@@ -140,7 +146,7 @@ def main() -> int:
                    "rehearsal": n, "n": res["n"], "overall": res["overall"],
                    "bfcl_overall_strict": res.get("bfcl_overall_strict"),
                    "gen_tokens": res["tokens"]["gen_per_item"], "rehearsal_tokens": res["tokens"]["rehearsal_per_item"],
-                   "seconds": wall, "run_dir": str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out), "categories": res["categories"],
+                   "seconds": res.get("wall_s_total") or wall, "run_dir": str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out), "categories": res["categories"],
                    "fidelity": fid[0] if fid else None}
             rows.append(row)
             print(f"[{time.perf_counter() - t_start:6.0f}s] {tag} {name}: acc={res['overall']:.3f} n={res['n']} "
@@ -149,7 +155,8 @@ def main() -> int:
     meta = {"hardware": {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
                          "python": platform.python_version()},
             "settings": {k: v for k, v in vars(a).items() if k not in ("models",)},
-            "models": models, "total_wall_s": total, "skipped_runs": skipped}
+            "models": models, "total_wall_s": total, "skipped_runs": skipped,
+            "not_selected": [j[0] for j in JOBS if j not in jobs]}
     out_json = ROOT / a.json
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
@@ -163,6 +170,8 @@ def main() -> int:
             f = r["fidelity"]
             md += (f"| {r['model']} | {r['suite']} | {f.get('n_items', 0):.0f} items | {100 * f.get('exact', 0):.1f} | "
                    f"{100 * f.get('field_f1', 0):.1f} |\n")
+    if meta["not_selected"]:
+        md += "\nNot run (not selected, CPU time): " + ", ".join(meta["not_selected"]) + "\n"
     if skipped:
         md += f"\nSkipped (time budget {a.budget_s:.0f} s): " + ", ".join(f"{s['model']}/{s['run']}" for s in skipped) + "\n"
     out_json.with_suffix(".md").write_text(md)

@@ -192,6 +192,13 @@ def run(args: argparse.Namespace, loaded=None) -> dict[str, Any]:
         run_items(sr.items, make_env, policy, store, cfg, max_steps_for=sr.max_steps_for, on_item=on_item)
         bar.close()
     res = summarize(args, store, keys, time.perf_counter() - t0, drift)
+    prev = store.dir / "results.json"
+    try:   # wall time summed over every invocation that ran items of this directory
+        old = json.loads(prev.read_text()) if prev.exists() else {}
+        before = float(old.get("wall_s_total", old.get("wall_s_last_invocation", 0.0)))
+    except (ValueError, OSError):
+        before = 0.0
+    res["wall_s_total"] = before + (res["wall_s_last_invocation"] if todo else 0.0)
     store.write_results(res)
     report.write_run_report(res, args.out)
     if not args.quiet:
