@@ -54,6 +54,7 @@ MULTI = "multi_turn_base,multi_turn_miss_func,multi_turn_miss_param,multi_turn_l
 # (run name, suite, categories, rehearsal N, drift) in priority order: cheap, informative runs first.
 JOBS = [
     ("builtin-r0", "builtin", None, 0, None),
+    ("builtin-easy-r0", "builtin", "test:easy:task", 0, None),
     ("bfcl-single-r0", "bfcl", SINGLE, 0, None),
     ("builtin-r1", "builtin", None, 1, None),
     ("builtin-r2", "builtin", None, 2, None),
@@ -65,6 +66,7 @@ JOBS = [
     ("bfcl-multi-r0", "bfcl", MULTI, 0, None),
     ("bfcl-multi-r2", "bfcl", MULTI, 2, None),
     ("tau2-r2", "tau2", None, 2, None),
+    ("builtin-easy-r2", "builtin", "test:easy:task", 2, None),
 ]
 
 

@@ -1,7 +1,8 @@
 """What `--suite` means for the harness: the items to run, an environment factory per category, and
 how many policy turns each category allows.
 
-  builtin  categories are splits of the builtin suite (default: test)
+  builtin  categories are split[:level[:tools]] of the builtin suite (default: test = mixed levels;
+           test:easy:task = the demo preset's task distribution)
   bfcl     single-turn AST categories through fastrehearse.eval.bfcl_single (one turn, no real
            execution: the calls are graded by BFCL's ast_checker); multi-turn categories through the
            real BFCL environment (fastrehearse.envs.bfcl), user turns fed one at a time
@@ -58,12 +59,13 @@ def build(suite: str, categories: list[str] | None, limit: int | None, max_steps
     items: list[tuple[str, Task]] = []
 
     if suite == "builtin":
-        s = _get_suite("builtin")
-        for c in cats:
-            if c not in ("train", "test"):
-                raise ValueError(f"--categories for builtin are splits (train, test), got {c!r}")
-            suites[c] = s
-            items += [(c, t) for t in s.tasks(c, limit)]
+        for c in cats:   # "split[:level[:tools]]", e.g. "test", "test:easy:task" (the demo's tasks)
+            split, level, tools = (c.split(":") + ["mixed", "auto"])[:3]
+            if split not in ("train", "test") or c.count(":") > 2:
+                raise ValueError(f"--categories for builtin are split[:level[:tools]] with split train "
+                                 f"or test (e.g. test, test:easy:task), got {c!r}")
+            suites[c] = _get_suite("builtin", level=level, tools=tools)
+            items += [(c, t) for t in suites[c].tasks(split, limit)]
     elif suite == "bfcl":
         bad = [c for c in cats if c not in BFCL_SINGLE + BFCL_MULTI]
         if bad:
