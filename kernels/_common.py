@@ -51,6 +51,30 @@ def chunk_rows(n: int, v: int, device: torch.device, chunk_size: int | None = No
     return max(1, min(rows, max(n, 1)))
 
 
+# Torch backend (vocabulary-blocked, see _blocked.py): rows per row block (dW_b GEMMs have K =
+# rows, so more is better up to where X stops fitting caches); the vocabulary block then
+# follows from the same byte budget.
+TORCH_BLOCK_ROWS = 4096
+
+
+def torch_block_rows(n: int, chunk_size: int | None = None) -> int:
+    """Rows per row block of the torch backend (chunk_size overrides, as in chunk_rows)."""
+    if chunk_size is not None:
+        if int(chunk_size) < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        return int(chunk_size)
+    return max(1, min(n, TORCH_BLOCK_ROWS))
+
+
+def vocab_block(rows: int, v: int, device: torch.device) -> int:
+    """Vocabulary columns per block so one fp32 [rows, V_b] block stays within the budget."""
+    budget = CHUNK_BYTES_CUDA if device.type == "cuda" else CHUNK_BYTES_CPU
+    cols = max(1, budget // (4 * max(rows, 1)))
+    if cols >= 128:
+        cols -= cols % 64
+    return max(1, min(cols, v))
+
+
 def _is_dtensor(t) -> bool:
     return any(c.__name__ == "DTensor" for c in type(t).__mro__)
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from ._blocked import blocked_backward, blocked_stats
 from ._common import (addmm_f32_, check_linear_inputs, check_targets, check_temperature,
-                      chunk_rows, mm_f32, resolve_backend)
+                      chunk_rows, mm_f32, resolve_backend, torch_block_rows)
 from ._rows import row_grad, row_stats
 
 __all__ = ["linear_logprobs"]
@@ -71,19 +72,12 @@ class _LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, t, inv_temp, with_entropy, backend, chunk):
-        n = x.shape[0]
-        logp = torch.empty(n, device=x.device, dtype=torch.float32)
-        lse = torch.empty_like(logp)
-        ent = torch.empty(n if with_entropy else 0, device=x.device, dtype=torch.float32)
-        for s in range(0, n, chunk):
-            e = min(n, s + chunk)
-            z = mm_f32(x[s:e], w.t())
-            lp, h, l = row_stats(z, t[s:e], inv_temp, with_entropy, backend)
-            logp[s:e] = lp
-            lse[s:e] = l
-            if with_entropy:
-                ent[s:e] = h
-            del z
+        if backend == "torch":
+            logp, ent, lse = blocked_stats(x, w, t, inv_temp, with_entropy, chunk)
+            if ent is None:
+                ent = torch.empty(0, device=x.device, dtype=torch.float32)
+        else:
+            logp, lse, ent = _row_chunked_stats(x, w, t, inv_temp, with_entropy, backend, chunk)
         ctx.save_for_backward(x, w, t, lse, ent)
         ctx.cfg = (inv_temp, with_entropy, backend, chunk)
         ctx.set_materialize_grads(False)
@@ -104,9 +98,30 @@ class _LinearLogprobs(torch.autograd.Function):
             return dx, dw, None, None, None, None, None
         g1 = None if g_logp is None else g_logp.float().contiguous()
         g2 = None if g_ent is None else g_ent.float().contiguous()
-        dx, dw = chunked_backward(x, w, t, lse, ent if with_entropy else None, g1, g2, inv_temp,
-                                  backend, chunk, need_dx, need_dw)
+        args = (x, w, t, lse, ent if with_entropy else None, g1, g2, inv_temp)
+        if backend == "torch":
+            dx, dw = blocked_backward(*args, chunk, need_dx, need_dw)
+        else:
+            dx, dw = chunked_backward(*args, backend, chunk, need_dx, need_dw)
         return dx, (dw.to(w.dtype) if dw is not None else None), None, None, None, None, None
+
+
+def _row_chunked_stats(x, w, t, inv_temp, with_entropy, backend, chunk):
+    """Forward sweep of the Triton backend: rows in chunks, the whole vocabulary per chunk."""
+    n = x.shape[0]
+    logp = torch.empty(n, device=x.device, dtype=torch.float32)
+    lse = torch.empty_like(logp)
+    ent = torch.empty(n if with_entropy else 0, device=x.device, dtype=torch.float32)
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        z = mm_f32(x[s:e], w.t())
+        lp, h, l = row_stats(z, t[s:e], inv_temp, with_entropy, backend)
+        logp[s:e] = lp
+        lse[s:e] = l
+        if with_entropy:
+            ent[s:e] = h
+        del z
+    return logp, lse, ent
 
 
 def compact_rows(mask: torch.Tensor | None, n: int):
@@ -158,7 +173,8 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     t = t.long().contiguous()
     x = x.contiguous()
     w = weight.contiguous()
-    chunk = chunk_rows(x.shape[0], v, x.device, chunk_size)
+    chunk = (torch_block_rows(x.shape[0], chunk_size) if backend == "torch"
+             else chunk_rows(x.shape[0], v, x.device, chunk_size))
     logp, ent = _LinearLogprobs.apply(x, w, t, inv_temp, bool(with_entropy), backend, chunk)
     logp = scatter_rows(logp, rows, n)
     if not with_entropy:

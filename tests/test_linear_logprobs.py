@@ -160,6 +160,46 @@ def test_default_chunking_multi_chunk_torch():
     check_against_ref("torch", 900, 16, 20000, seed=9)
 
 
+@pytest.mark.parametrize("budget", [4096, 640])
+@pytest.mark.parametrize("case", ["odd", "temperature", "large_logits", "all_negative", "no_mask"])
+def test_torch_vocab_blocks(monkeypatch, budget, case):
+    # A tiny byte budget splits the vocabulary into many blocks (the online lse / entropy merge).
+    import fastrehearse.kernels._common as common
+    monkeypatch.setattr(common, "CHUNK_BYTES_CPU", budget)
+    check_against_ref("torch", seed=zlib.crc32(case.encode()) % 1000 + budget, **CASES[case])
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_torch_vocab_block_overflow_and_underflow(monkeypatch, with_entropy):
+    # Later vocabulary blocks whose logits lie ~300 above (exp overflow against the running lse:
+    # those rows are recomputed with their exact block max) or ~300 below (every exp underflows:
+    # the block must add nothing, not NaN) the first block's.
+    import fastrehearse.kernels._common as common
+    monkeypatch.setattr(common, "CHUNK_BYTES_CPU", 4 * 8 * 64)   # 8 rows -> 64-column blocks
+    n, h, v = 8, 8, 320
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(n, h, generator=g)
+    x[:, 0] = 10.0
+    w = torch.randn(v, h, generator=g) * 0.3
+    w[64:128, 0] += 30.0          # block 1: +300
+    w[192:256, 0] -= 30.0         # block 3: -300
+    w[256:, 0] += 60.0            # block 4: +600
+    t = torch.tensor([0, 70, 130, 200, 260, 319, 5, 100])
+    xk, wk = x.clone().requires_grad_(), w.clone().requires_grad_()
+    lp, ent = linear_logprobs(xk, wk, t, with_entropy=with_entropy, backend="torch", chunk_size=8)
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    lr, er = ref_logprobs(xr, wr, t)
+    g1 = torch.randn(n, generator=g, dtype=torch.float64)
+    g2 = torch.randn(n, generator=g, dtype=torch.float64)
+    ((lr * g1).sum() + ((er * g2).sum() if with_entropy else 0)).backward()
+    ((lp * g1.float()).sum() + ((ent * g2.float()).sum() if with_entropy else 0)).backward()
+    # |z| ~ 600 makes the fp32 GEMM itself round at ~1e-4 absolute: compare within that.
+    assert torch.isfinite(lp).all() and _maxabs(lp, lr) <= LOGP_TOL
+    if with_entropy:
+        assert torch.isfinite(ent).all() and _maxabs(ent, er) <= LOGP_TOL
+    assert rel_err(xk.grad, xr.grad) <= GRAD_TOL and rel_err(wk.grad, wr.grad) <= GRAD_TOL
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(1, 40), h=st.integers(8, 64), v=st.integers(1, 3000),
        temperature=st.floats(0.3, 3.0), chunk=st.integers(1, 17), scale=st.floats(0.1, 30.0),
