@@ -39,7 +39,9 @@ def _aug_rows(x: torch.Tensor, inv_temp: float) -> torch.Tensor:
     """[R, H+1] fp32: x / T in the first H columns; the last column holds -shift per block."""
     r, h = x.shape
     xa = torch.empty(r, h + 1, device=x.device, dtype=torch.float32)
-    torch.mul(x, inv_temp, out=xa[:, :h]) if inv_temp != 1.0 else xa[:, :h].copy_(x)
+    xa[:, :h].copy_(x)                     # upcast first: x * (1/T) in bf16 would round
+    if inv_temp != 1.0:
+        xa[:, :h].mul_(inv_temp)
     return xa
 
 

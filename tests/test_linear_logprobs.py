@@ -153,6 +153,9 @@ def test_fp16_inputs(backend):
 
 def test_bf16_inputs_torch():
     check_against_ref("torch", 31, 32, 300, seed=4, dtype=torch.bfloat16, grad_tol=8e-3)
+    # temperature != 1: x / T must be formed after the fp32 upcast (bf16 would round it)
+    check_against_ref("torch", 31, 32, 300, seed=5, dtype=torch.bfloat16, grad_tol=8e-3,
+                      temperature=0.8)
 
 
 def test_default_chunking_multi_chunk_torch():
