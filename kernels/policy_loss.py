@@ -205,11 +205,24 @@ def _fused_sweep(x, w, plan, need_dx, need_dw):
     dw = torch.zeros(w.shape, device=dev, dtype=torch.float32) if need_dw else None
     grad = need_dx or need_dw
     inv_temp = plan.inv_temp
+    # torch backend without entropy: dZ = diag(g1) (onehot - E / S) with E = exp(s - m), so
+    # the chunk needs only amax, sub_, exp_, sum; -g1 / S scales the [C, H] operands instead.
+    fast = plan.backend == "torch" and not plan.with_entropy
+    w32 = (w if w.dtype == torch.float32 else w.float()) if fast else None
     for s in range(0, n, plan.chunk):
         e = min(n, s + plan.chunk)
         x_c, t_c = x[s:e], plan.t[s:e]
-        z = mm_f32(x_c, w.t())
-        lp, h, lse = row_stats(z, t_c, inv_temp, plan.with_entropy, plan.backend)
+        if fast:
+            xs = x_c.float() if inv_temp == 1.0 else x_c.float() * inv_temp    # x / T
+            z = torch.mm(xs, w32.t())
+            s_t = z.gather(1, t_c.view(-1, 1)).squeeze(1)
+            m = z.amax(1)
+            sum_e = z.sub_(m.view(-1, 1)).exp_().sum(1)                    # z := E
+            lse = m + torch.log(sum_e)
+            lp, h = s_t - lse, None
+        else:
+            z = mm_f32(x_c, w.t())
+            lp, h, lse = row_stats(z, t_c, inv_temp, plan.with_entropy, plan.backend)
         l, g1, g2, (ratio, clipped, dual, kl) = _token_terms(
             lp, h, plan.roles[s:e], plan.adv[s:e], plan.old[s:e],
             None if plan.ref is None else plan.ref[s:e], plan.scale[s:e], plan.cfg)
@@ -220,7 +233,16 @@ def _fused_sweep(x, w, plan, need_dx, need_dw):
         plan.ratio[s:e], plan.clipped[s:e], plan.dual[s:e] = ratio, clipped, dual
         if kl is not None:
             plan.kl[s:e] = kl
-        if grad:
+        if grad and fast:
+            r = (-g1 / sum_e).view(-1, 1)
+            g1c = g1.view(-1, 1)
+            if dx is not None:
+                dx_c = torch.mm(z, w32).mul_(r).add_(w32.index_select(0, t_c) * g1c)
+                dx[s:e] = dx_c.mul_(inv_temp) if inv_temp != 1.0 else dx_c
+            if dw is not None:
+                dw.addmm_(z.t(), xs * r)
+                dw.index_add_(0, t_c, xs * g1c)
+        elif grad:
             chunk_grad(x_c, w, z, t_c, lse, h, g1, g2, inv_temp, plan.backend,
                        None if dx is None else dx[s:e], dw)
         del z

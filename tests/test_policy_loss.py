@@ -68,6 +68,8 @@ CONFIGS = {
     "dual_clip": PolicyLossConfig(dual_clip=1.25),
     "k1": PolicyLossConfig(kl_coef=0.3, kl_type="k1", w_observed=0.2),
     "k2": PolicyLossConfig(kl_coef=0.3, kl_type="k2"),
+    "k2_temp_observed": PolicyLossConfig(kl_coef=0.3, kl_type="k2", temperature=0.7,
+                                         w_observed=0.4),
     "k3_entropy_temp": PolicyLossConfig(kl_coef=0.3, kl_type="k3", entropy_coef=0.05,
                                         temperature=0.8, w_observed=1.0, dual_clip=2.0),
 }
