@@ -63,6 +63,18 @@ def default_json(name: str, device: torch.device | str) -> Path:
     return RESULTS / f"{name}_{kind}.json"
 
 
+def randn_on(shape, device, dtype, generator: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    """Random normal tensor in `dtype` on `device`. CUDA: drawn there (a CPU draw of a
+    128256 x 4096 weight takes seconds per benchmark config); CPU: from `generator`, as before.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        g = torch.Generator(device=device).manual_seed(seed)
+        return (torch.randn(shape, device=device, generator=g) * scale).to(dtype)
+    return (torch.randn(shape, generator=generator) * scale).to(device, dtype)
+
+
 def sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()

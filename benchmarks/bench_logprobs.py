@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (bar_plot, default_json, fmt_bytes, hardware, matmul_tflops,  # noqa: E402
-                     peak_extra_bytes, print_table, time_fn, write_json)
+                     peak_extra_bytes, print_table, randn_on, time_fn, write_json)
 
 from fastrehearse.kernels import linear_logprobs  # noqa: E402
 
@@ -139,8 +139,8 @@ def methods(device):
 
 def make_inputs(n, h, v, frac, device, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, h, generator=g).to(device, dtype).requires_grad_()
-    w = (torch.randn(v, h, generator=g) / h ** 0.5).to(device, dtype).requires_grad_()
+    x = randn_on((n, h), device, dtype, g).requires_grad_()
+    w = randn_on((v, h), device, dtype, g, scale=h ** -0.5).requires_grad_()
     t = torch.randint(0, v, (n,), generator=g).to(device)
     mask = torch.zeros(n, dtype=torch.bool)
     mask[torch.randperm(n, generator=g)[: int(round(frac * n))]] = True
@@ -186,6 +186,8 @@ def main(argv=None):
     p.add_argument("--shapes", type=str, nargs="+", default=None, help="HxV, e.g. 576x49152")
     p.add_argument("--methods", type=str, nargs="+", default=None, help="subset of names")
     p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="input dtype (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default 1 on CPU: this box is shared, and one thread "
@@ -195,7 +197,7 @@ def main(argv=None):
     if device.type == "cpu":
         torch.set_num_threads(args.threads or 1)
     cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
     ns = args.n or ([4096, 16384] if cuda else [1024, 4096])
     shapes = ([tuple(int(s) for s in sh.split("x")) for sh in args.shapes] if args.shapes
               else (GPU_SHAPES if cuda else CPU_SHAPES))

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (bar_plot, default_json, fmt_bytes, hardware, peak_extra_bytes,  # noqa: E402
-                     print_table, time_fn, write_json)
+                     print_table, randn_on, time_fn, write_json)
 
 from fastrehearse.kernels import PolicyLossConfig, Role, linear_policy_loss  # noqa: E402
 
@@ -32,8 +32,8 @@ CFG = PolicyLossConfig(kl_coef=0.04, kl_type="k3", w_observed=0.1)
 
 def make_inputs(n, h, v, frac, device, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, h, generator=g).to(device, dtype).requires_grad_()
-    w = (torch.randn(v, h, generator=g) / h ** 0.5).to(device, dtype).requires_grad_()
+    x = randn_on((n, h), device, dtype, g).requires_grad_()
+    w = randn_on((v, h), device, dtype, g, scale=h ** -0.5).requires_grad_()
     t = torch.randint(0, v, (n,), generator=g)
     roles = torch.randint(1, 4, (n,), generator=g)
     roles[torch.rand(n, generator=g) >= frac] = int(Role.CONTEXT)
@@ -117,13 +117,15 @@ def main(argv=None):
     p.add_argument("--shapes", type=str, nargs="+", default=None, help="HxV, e.g. 576x49152")
     p.add_argument("--methods", type=str, nargs="+", default=None)
     p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="input dtype (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default 1: shared box)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     if not cuda:
         torch.set_num_threads(args.threads or 1)
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
     ns = args.n or ([4096, 16384] if cuda else [4096])
     fracs = args.fracs or ([1.0, 0.5, 0.25] if cuda else [1.0, 0.25])
     shapes = ([tuple(int(s) for s in sh.split("x")) for sh in args.shapes] if args.shapes
