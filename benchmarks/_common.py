@@ -136,6 +136,53 @@ def peak_extra_bytes(fn, device) -> int | None:
     return (_status_kib("VmHWM") - base) * 1024
 
 
+def time_interleaved(steps: dict, device, *, warmup: int = 1, reps: int = 3) -> dict:
+    """Round-robin timing of several fwd+bwd closures on a shared, noisy machine.
+
+    steps: name -> (step, reset) where step() runs once and reset() drops its gradients.
+    Each is warmed up (compiled) first; then the first timed round also measures each one's
+    peak extra memory, and `reps` rounds run the methods one after another, so load changes
+    from other processes hit every method alike (side-by-side ratios, not drift between
+    methods measured minutes apart). Returns name -> {"times_ms", "median_ms", "min_ms",
+    "peak_extra_bytes"} or {"error": str} for a method that raised.
+    """
+    out = {}
+    live = {}
+    for name, (step, reset) in steps.items():
+        try:
+            for _ in range(max(1, warmup)):
+                step()
+            reset()
+            live[name] = (step, reset)
+            out[name] = {"times_ms": []}
+        except Exception as e:  # a peer failing must not kill the benchmark
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            reset()
+    for r in range(reps):
+        for name, (step, reset) in list(live.items()):
+            box = {}
+
+            def timed():
+                box["t"] = time_fn(step, device, warmup=0, reps=1)["median_ms"]
+            try:
+                if r == 0:
+                    out[name]["peak_extra_bytes"] = peak_extra_bytes(timed, device)
+                else:
+                    timed()
+            except Exception as e:
+                out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                live.pop(name)
+                reset()
+                continue
+            out[name]["times_ms"].append(box["t"])
+            reset()
+    for name, d in out.items():
+        if d.get("times_ms"):
+            d["median_ms"] = statistics.median(d["times_ms"])
+            d["min_ms"] = min(d["times_ms"])
+    return out
+
+
 def matmul_tflops(device, dtype=torch.float32, n: int | None = None, reps: int = 3) -> float:
     """Measured dense GEMM rate (TFLOP/s) of an n x n x n matmul: the device floor's yardstick."""
     device = torch.device(device)

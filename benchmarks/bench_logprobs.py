@@ -13,6 +13,7 @@ note: the Triton interpreter is a correctness tool, not a performance path.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -21,7 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (bar_plot, default_json, fmt_bytes, hardware, matmul_tflops,  # noqa: E402
-                     peak_extra_bytes, print_table, randn_on, time_fn, write_json)
+                     peak_extra_bytes, print_table, randn_on, time_fn, time_interleaved,
+                     write_json)
 
 from fastrehearse.kernels import linear_logprobs  # noqa: E402
 
@@ -172,6 +174,42 @@ def bench_one(name, factory, x, w, t, mask, device, warmup, reps):
                 "times_ms": times}, mem
 
 
+def _sequential(name, factory, x, w, t, mask, device, warmup, reps):
+    try:
+        lp, tm, mem = bench_one(name, factory, x, w, t, mask, device, warmup, reps)
+    except Exception as e:  # a peer failing must not kill the benchmark
+        x.grad = w.grad = None
+        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    return dict(tm, lp=lp, peak_extra_bytes=mem)
+
+
+def _interleaved(todo, x, w, t, mask, device, warmup, reps):
+    """All methods of one config timed round-robin (see _common.time_interleaved)."""
+    first_lp, steps, errors = {}, {}, {}
+
+    def reset():
+        x.grad = w.grad = None
+
+    for name, factory in todo:
+        try:
+            run = factory(x, w, t, mask)
+        except Exception as e:
+            errors[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            continue
+
+        def step(run=run, name=name):
+            reset()
+            lp = run()
+            first_lp.setdefault(name, lp)
+            return lp
+        steps[name] = (step, reset)
+    res = time_interleaved(steps, device, warmup=warmup, reps=reps)
+    for name, d in res.items():
+        if "error" not in d:
+            d["lp"] = first_lp[name]
+    return {**res, **errors}
+
+
 # Methods that compute every row whatever the mask (the mask only zeroes results): measured
 # once per (shape, N) at the first fraction and reused for the others.
 MASK_AGNOSTIC = {"naive", "F.linear_cross_entropy", "F.linear_cross_entropy chunked"}
@@ -189,11 +227,17 @@ def main(argv=None):
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="input dtype (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
+                   help="time the methods of a config round-robin (default on CPU: a shared "
+                        "box's load then hits every method alike); --no-interleave: one "
+                        "method's reps after another")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default 1 on CPU: this box is shared, and one thread "
                         "keeps medians stable; every method gets the same)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    if args.interleave is None:
+        args.interleave = device.type == "cpu"
     if device.type == "cpu":
         torch.set_num_threads(args.threads or 1)
     cuda = device.type == "cuda"
@@ -215,6 +259,7 @@ def main(argv=None):
                 n_sel = int(mask.sum())
                 flops = 6 * n_sel * h * v
                 base_lp = None
+                todo = []
                 for name, factory, note in methods(device):
                     if args.methods and name not in args.methods:
                         continue
@@ -230,21 +275,26 @@ def main(argv=None):
                                    if flops else None, max_abs_diff_vs_first=None)
                         rows.append(row)
                         continue
-                    try:
-                        lp, tm, mem = bench_one(name, factory, x, w, t, mask, device,
-                                                args.warmup, reps)
-                    except Exception as e:  # a peer failing must not kill the benchmark
-                        skipped[name] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+                    todo.append((name, factory))
+                if args.interleave:
+                    results = _interleaved(todo, x, w, t, mask, device, args.warmup, reps)
+                else:
+                    results = {name: _sequential(name, f, x, w, t, mask, device, args.warmup,
+                                                 reps) for name, f in todo}
+                for name, _ in todo:
+                    res = results[name]
+                    if "error" in res:
+                        skipped[name] = f"failed: {res['error']}"
                         print(f"  {name}: {skipped[name]}")
                         continue
+                    lp, mem = res["lp"], res["peak_extra_bytes"]
                     if base_lp is None:
                         base_lp = lp
                     err = float((lp - base_lp)[mask].abs().max()) if n_sel else 0.0
-                    del lp
-                    ms = tm["median_ms"]
+                    ms = res["median_ms"]
                     row = dict(H=h, V=v, N=n, frac=frac, n_unmasked=n_sel, method=name,
-                               median_ms=round(ms, 2), min_ms=round(tm["min_ms"], 2),
-                               times_ms=[round(s, 2) for s in tm["times_ms"]],
+                               median_ms=round(ms, 2), min_ms=round(res["min_ms"], 2),
+                               times_ms=[round(s, 2) for s in res["times_ms"]],
                                peak_extra_bytes=mem, tflops=round(flops / (ms * 1e-3) / 1e12, 4),
                                floor_ratio=round(ms / (flops / (rate * 1e12) * 1e3), 2)
                                if flops else None,
@@ -254,6 +304,7 @@ def main(argv=None):
                         agnostic[(h, v, n, name)] = row
                     print(f"  H={h} V={v} N={n} frac={frac} {name}: {ms:.1f} ms, "
                           f"{fmt_bytes(mem)}", flush=True)
+                results = base_lp = None
                 del x, w, t, mask
     # ratios to naive within each (shape, N, frac)
     for r in rows:
@@ -274,7 +325,8 @@ def main(argv=None):
                "gemm_tflops": rate, "flops_counted": "6 * n_unmasked * H * V",
                "memory": "CUDA max_memory_allocated" if cuda else
                "peak RSS (VmHWM) above the RSS before the call",
-               "rows": rows, "skipped": skipped}
+               "load_avg_end": os.getloadavg(), "timing": "interleaved round-robin per config" if args.interleave else
+               "sequential per method", "argv": sys.argv[1:], "rows": rows, "skipped": skipped}
     write_json(path, payload)
     groups = sorted({(r["H"], r["V"], r["N"], r["frac"]) for r in rows})
     names = list(dict.fromkeys(r["method"] for r in rows))

@@ -13,6 +13,7 @@ as 6 * N_loss * H * V for every method, ratios to the unfused path.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (bar_plot, default_json, fmt_bytes, hardware, peak_extra_bytes,  # noqa: E402
-                     print_table, randn_on, time_fn, write_json)
+                     print_table, randn_on, time_fn, time_interleaved, write_json)
 
 from fastrehearse.kernels import PolicyLossConfig, Role, linear_policy_loss  # noqa: E402
 
@@ -108,6 +109,17 @@ def bench_one(factory, x, w, b, device, reps):
     return {"median_ms": statistics.median(times), "times_ms": times}, mem
 
 
+def _reset(x, w):
+    x.grad = w.grad = None
+
+
+def _stepper(run, x, w):
+    def step():
+        _reset(x, w)
+        return run()
+    return step
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", type=Path, default=None)
@@ -117,12 +129,16 @@ def main(argv=None):
     p.add_argument("--shapes", type=str, nargs="+", default=None, help="HxV, e.g. 576x49152")
     p.add_argument("--methods", type=str, nargs="+", default=None)
     p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
+                   help="time the methods of a config round-robin (default on CPU)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="input dtype (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default 1: shared box)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    if args.interleave is None:
+        args.interleave = not cuda
     if not cuda:
         torch.set_num_threads(args.threads or 1)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
@@ -141,19 +157,37 @@ def main(argv=None):
                 x, w, b = make_inputs(n, h, v, frac, device, dtype)
                 n_loss = int((b["roles"] != int(Role.CONTEXT)).sum())
                 flops = 6 * n_loss * h * v
-                for name, factory in methods(device):
-                    if args.methods and name not in args.methods:
-                        continue
-                    try:
-                        tm, mem = bench_one(factory, x, w, b, device, reps)
-                    except Exception as e:  # a peer failing must not kill the benchmark
-                        skipped[name] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+                todo = [(name, f) for name, f in methods(device)
+                        if not args.methods or name in args.methods]
+                results = {}
+                if args.interleave:
+                    steps = {}
+                    for name, factory in todo:
+                        try:
+                            run = factory(x, w, b)
+                        except Exception as e:
+                            results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                            continue
+                        steps[name] = (_stepper(run, x, w), lambda: _reset(x, w))
+                    results.update(time_interleaved(steps, device, warmup=1, reps=reps))
+                else:
+                    for name, factory in todo:
+                        try:
+                            tm, mem = bench_one(factory, x, w, b, device, reps)
+                            results[name] = dict(tm, peak_extra_bytes=mem)
+                        except Exception as e:  # a peer failing must not kill the benchmark
+                            _reset(x, w)
+                            results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                for name, _ in todo:
+                    res = results[name]
+                    if "error" in res:
+                        skipped[name] = f"failed: {res['error']}"
                         print(f"  {name}: {skipped[name]}")
                         continue
-                    ms = tm["median_ms"]
+                    ms, mem = res["median_ms"], res["peak_extra_bytes"]
                     rows.append(dict(H=h, V=v, N=n, frac=frac, n_loss=n_loss, method=name,
                                      median_ms=round(ms, 2),
-                                     times_ms=[round(s, 2) for s in tm["times_ms"]],
+                                     times_ms=[round(s, 2) for s in res["times_ms"]],
                                      peak_extra_bytes=mem,
                                      tflops=round(flops / (ms * 1e-3) / 1e12, 4)))
                     print(f"  H={h} V={v} N={n} frac={frac} {name}: {ms:.1f} ms {fmt_bytes(mem)}",
@@ -176,7 +210,9 @@ def main(argv=None):
         print(f"skipped {name}: {note}")
     write_json(path, {"benchmark": "bench_policy_loss", "hardware": hw, "dtype": str(dtype),
                       "config": CFG.__dict__, "flops_counted": "6 * n_loss * H * V",
-                      "rows": rows, "skipped": skipped})
+                      "load_avg_end": os.getloadavg(), "argv": sys.argv[1:],
+                      "timing": "interleaved round-robin per config" if args.interleave else
+                      "sequential per method", "rows": rows, "skipped": skipped})
     groups = sorted({(r["H"], r["V"], r["N"], r["frac"]) for r in rows})
     names = list(dict.fromkeys(r["method"] for r in rows))
     lookup = {(r["H"], r["V"], r["N"], r["frac"], r["method"]): r for r in rows}
