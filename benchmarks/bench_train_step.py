@@ -12,6 +12,7 @@ so every rep sees the same weights and the two methods can be checked against ea
             only, fastrehearse.kernels.linear_policy_loss (fused, chunked: never the [N, V] logits),
             CONTEXT tokens skip the LM-head projection. Role-wise global normalizers.
   hf-style  episodes in arrival order, `--hf-batch` per micro-batch, right-padded to the longest,
+            the same model weights (one copy in memory; lr 0, so nothing changes between methods),
             transformers SDPA attention with a padding mask, full logits [B, L, V] in fp32,
             log_softmax + gather, the same PPO-clip / per-role token-mean loss in plain torch
             (what TRL-style trainers do).
@@ -26,7 +27,8 @@ Qwen3-1.7B-shaped model: >= 2x tokens/s.
 from __future__ import annotations
 
 import argparse
-import copy
+import gc
+import statistics
 import math
 import sys
 import time
@@ -110,7 +112,7 @@ def ours_update(wrapped, opt, episodes, max_tokens: int, device) -> float:
         res = wrapped(b, lambda h, w: linear_policy_loss(h, w, b.targets, b.roles, b.advantages, old,
                                                          LOSS, normalizers=counts))
         res.loss.backward()
-        total += float(res.loss)
+        total += float(res.loss.detach())
     clip_and_step(wrapped, opt)
     return total
 
@@ -150,7 +152,7 @@ def hf_update(model, opt, episodes, batch_size: int, device, counts) -> float:
         logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)          # [B, L-1]
         loss = hf_token_loss(logp, old[:, 1:], adv[:, 1:], roles[:, 1:] * mask[:, 1:], counts)
         loss.backward()
-        total += float(loss)
+        total += float(loss.detach())
     clip_and_step(model, opt)
     return total
 
@@ -188,8 +190,7 @@ def run_method(name, fn, device, reps: int, real_tokens: int):
         peaks.append(peak_extra_bytes(once, device))
         times.append(box["t"])
         losses.append(box["loss"])
-    times.sort()
-    med = times[len(times) // 2]
+    med = statistics.median(times)
     peak = max(p for p in peaks if p is not None) if any(p is not None for p in peaks) else None
     return {"method": name, "median_s": med, "tokens_per_s": real_tokens / med, "peak_extra_bytes": peak,
             "loss": losses[0], "times_s": times}
@@ -202,8 +203,8 @@ def main():
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--episodes", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=4096)
-    ap.add_argument("--hf-batch", type=int, default=4, help="episodes per padded micro-batch")
+    ap.add_argument("--max-tokens", type=int, default=2048, help="token budget of a packed row")
+    ap.add_argument("--hf-batch", type=int, default=2, help="episodes per padded micro-batch")
     ap.add_argument("--reps", type=int, default=2)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -218,24 +219,26 @@ def main():
     counts = local_counts(pack(episodes, args.max_tokens))[0]
     n_params = sum(p.numel() for p in model.parameters())
 
-    hf_model = copy.deepcopy(model)
-    hf_model.set_attn_implementation("sdpa")   # the stock transformers path with a padding mask
-    hf_model.train()
-    wrapped = RehearsalModel(model).train()
-    opt_ours = torch.optim.AdamW(wrapped.parameters(), lr=0.0)
-    opt_hf = torch.optim.AdamW(hf_model.parameters(), lr=0.0)
-
     L = [len(e) for e in episodes]
     padded = sum(max(L[s:s + args.hf_batch]) * len(L[s:s + args.hf_batch]) for s in range(0, len(L), args.hf_batch))
     print(f"{args.model}: {n_params / 1e6:.0f}M params, {len(episodes)} episodes, {real_tokens} real tokens "
           f"(hf-style pads to {padded}), loss-bearing {int(counts[1] + counts[2])}, device {device}")
 
-    rows = [run_method("ours (packed + fused)", lambda: ours_update(wrapped, opt_ours, episodes,
-                                                                     args.max_tokens, device),
-                       device, args.reps, real_tokens),
-            run_method("hf-style (padded + full logits)",
-                       lambda: hf_update(hf_model, opt_hf, episodes, args.hf_batch, device, counts),
+    # One model instance, one optimizer at a time (lr 0 and no weight change: both methods see the
+    # same weights), so the process holds a single copy of weights + AdamW state.
+    wrapped = RehearsalModel(model).train()
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=0.0, weight_decay=0.0)
+    rows = [run_method("ours (packed + fused)",
+                       lambda: ours_update(wrapped, opt, episodes, args.max_tokens, device),
                        device, args.reps, real_tokens)]
+    del opt, wrapped
+    gc.collect()
+    model.set_attn_implementation("sdpa")      # the stock transformers path with a padding mask
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)
+    rows.append(run_method("hf-style (padded + full logits)",
+                           lambda: hf_update(model, opt, episodes, args.hf_batch, device, counts),
+                           device, args.reps, real_tokens))
     ours, hf = rows
     rel = abs(ours["loss"] - hf["loss"]) / max(1e-12, abs(hf["loss"]))
     speedup = ours["tokens_per_s"] / hf["tokens_per_s"]
