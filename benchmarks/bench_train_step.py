@@ -206,6 +206,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=2048, help="token budget of a packed row")
     ap.add_argument("--hf-batch", type=int, default=2, help="episodes per padded micro-batch")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--activation-checkpointing", action="store_true",
+                    help="recompute each decoder block in backward, for both methods")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -226,7 +228,7 @@ def main():
 
     # One model instance, one optimizer at a time (lr 0 and no weight change: both methods see the
     # same weights), so the process holds a single copy of weights + AdamW state.
-    wrapped = RehearsalModel(model).train()
+    wrapped = RehearsalModel(model, activation_checkpointing=args.activation_checkpointing).train()
     opt = torch.optim.AdamW(wrapped.parameters(), lr=0.0, weight_decay=0.0)
     rows = [run_method("ours (packed + fused)",
                        lambda: ours_update(wrapped, opt, episodes, args.max_tokens, device),
@@ -235,6 +237,8 @@ def main():
     gc.collect()
     model.set_attn_implementation("sdpa")      # the stock transformers path with a padding mask
     model.train()
+    if args.activation_checkpointing:          # (already on from RehearsalModel; the HF switch)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)
     rows.append(run_method("hf-style (padded + full logits)",
                            lambda: hf_update(model, opt, episodes, args.hf_batch, device, counts),
@@ -262,9 +266,11 @@ def main():
     payload = {"benchmark": "bench_train_step", "hardware": hardware(device), "model": args.model,
                "params": n_params, "episodes": len(episodes), "real_tokens": real_tokens,
                "padded_tokens_hf": padded, "max_tokens": args.max_tokens, "hf_batch": args.hf_batch,
-               "reps": args.reps, "results": rows, "speedup_tokens_per_s": speedup,
+               "reps": args.reps, "activation_checkpointing": args.activation_checkpointing,
+               "results": rows, "speedup_tokens_per_s": speedup,
                "peak_memory_ratio": mem_ratio, "loss_rel_diff": rel, "matmul": mfu}
-    out = Path(args.json) if args.json else default_json(f"bench_train_step_{args.model}", device)
+    tag = f"bench_train_step_{args.model}" + ("_ac" if args.activation_checkpointing else "")
+    out = Path(args.json) if args.json else default_json(tag, device)
     write_json(out, payload)
     bar_plot(Path(args.png) if args.png else out.with_suffix(".png"), ["tokens/s", "peak extra GiB"],
              {r["method"]: [r["tokens_per_s"] / 1000, (r["peak_extra_bytes"] or 0) / 2**30] for r in rows},

@@ -91,7 +91,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp),
-                 no_dist=not self.info.distributed)
+                 no_dist=not self.info.sharded)
         torch.save(rng_state(), tmp / f"rng_rank{self.info.rank}.pt")
         if self.info.is_main:
             torch.save(trainer_state, tmp / "trainer.pt")
@@ -118,7 +118,7 @@ class Checkpointer:
             raise ValueError(f"checkpoint {str(path)!r} is not complete (no COMPLETE marker)")
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path), no_dist=not self.info.distributed)
+        dcp.load(state, checkpoint_id=str(path), no_dist=not self.info.sharded)
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         rng = path / f"rng_rank{self.info.rank}.pt"

@@ -163,12 +163,16 @@ def setup(cfg: TrainConfig, info: DistInfo) -> Run:
         dump_config(cfg, run_dir / "config.yaml")
     hf_model, tokenizer = load_policy_model(cfg)
     ref = copy.deepcopy(hf_model).requires_grad_(False) if cfg.algo.loss.kl_coef > 0 else None
-    use_fsdp = info.distributed
     # Rollouts need the whole model on every rank; a sharded model would all-gather per decode
-    # step and force every rank to decode in lockstep. So distributed runs keep an unsharded copy
-    # for generation and refresh it after each update (verl does the same with its vLLM engine).
-    gen_model = copy.deepcopy(hf_model).requires_grad_(False) if use_fsdp else hf_model
-    gen_model.to(info.device)
+    # step and force every rank to decode in lockstep. So sharded runs keep an unsharded copy for
+    # generation (bf16 on GPU) and refresh it after each update (verl does the same with vLLM).
+    if info.sharded:
+        gen_model = copy.deepcopy(hf_model).requires_grad_(False)
+        if info.device.type == "cuda" and cfg.model.precision != "fp32":
+            gen_model.to(torch.bfloat16)
+        gen_model.to(info.device)
+    else:
+        gen_model = hf_model
 
     from fastrehearse.model import RehearsalModel
     policy = RehearsalModel(hf_model)

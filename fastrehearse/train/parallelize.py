@@ -35,6 +35,12 @@ class DistInfo:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 is applied whenever a process group exists (also a single GPU: it is what gives
+        bf16 compute with fp32 master weights)."""
+        return self.backend is not None
+
 
 def resolve_device(pref: str, local_rank: int = 0) -> torch.device:
     if pref == "cuda" or (pref == "auto" and torch.cuda.is_available()):
@@ -54,8 +60,13 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(device_pref, local_rank)
-    if world <= 1:
+    if world <= 1 and device.type != "cuda":
         return DistInfo(0, 1, 0, device, None)
+    if world <= 1:   # one GPU without torchrun: a 1-rank NCCL group so FSDP2 mixed precision applies
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -64,6 +75,13 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     return DistInfo(rank, world, local_rank, device, backend, mesh)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def destroy_distributed() -> None:
@@ -121,9 +139,10 @@ def parallelize(model: nn.Module, info: DistInfo, *, precision: str = "auto",
     """
     if activation_checkpointing:
         apply_activation_checkpointing(model)
-    if not info.distributed:
+    if not info.sharded:
         return model.to(info.device)
     from torch.distributed.fsdp import FSDPModule, fully_shard
+    model.to(info.device)
     mp = mixed_precision(precision, info.device)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=info.mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
