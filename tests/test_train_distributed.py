@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -63,9 +64,16 @@ def test_two_processes_match_one(single, tmp_path):
 def test_two_nodes_on_loopback(single, tmp_path):
     out = tmp_path / "n2.pt"
     port = _free_port()
-    procs = [_popen(TORCHRUN + ["--nnodes=2", "--nproc_per_node=1", f"--node_rank={r}",
-                                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                                "--rdzv-id=fastrehearse-test", WORKER, str(out)])
-             for r in (0, 1)]
+    procs = []
+    for r in (0, 1):
+        procs.append(_popen(TORCHRUN + ["--nnodes=2", "--nproc_per_node=1", f"--node_rank={r}",
+                                        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                                        "--rdzv-id=fastrehearse-test", WORKER, str(out)]))
+        # Both launchers run on this machine, so both qualify as the c10d store host; starting
+        # node 0 first lets it bind the store before node 1 looks for it (as on real clusters,
+        # where the launcher on the rendezvous host is usually up first). Under heavy load a
+        # simultaneous start failed once here.
+        if r == 0:
+            time.sleep(3)
     _check(procs)
     _compare(single, torch.load(out))
