@@ -30,7 +30,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def hardware(device: torch.device | str = "cpu") -> dict:
     device = torch.device(device)
     info = {"python": platform.python_version(), "torch": torch.__version__,
-            "cpu": _cpu_model(), "cpu_cores": os.cpu_count(), "torch_threads":
+            "cpu": cpu_model(), "cpu_cores": os.cpu_count(), "torch_threads":
             torch.get_num_threads(), "device": str(device)}
     try:
         import triton
@@ -48,7 +48,7 @@ def hardware(device: torch.device | str = "cpu") -> dict:
     return info
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):

@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fastrehearse.eval import cli, report  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import cpu_model  # noqa: E402
 
 DEMO_CANDIDATES = ("runs/demo/export", "runs/demo/hf", "runs/demo/final", "runs/demo")
 
@@ -39,14 +41,6 @@ def find_demo_checkpoint() -> str | None:
     return None
 
 
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 SINGLE = "simple_python,multiple,parallel,parallel_multiple,live_simple,live_multiple,irrelevance,live_irrelevance"
@@ -154,7 +148,7 @@ def main() -> int:
             print(f"[{time.perf_counter() - t_start:6.0f}s] {tag} {name}: acc={res['overall']:.3f} n={res['n']} "
                   f"({wall:.0f}s)", flush=True)
     total = time.perf_counter() - t_start
-    meta = {"hardware": {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+    meta = {"hardware": {"cpu": cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads(),
                          "python": platform.python_version()},
             "settings": {k: v for k, v in vars(a).items() if k not in ("models",)},
             "models": models, "total_wall_s": total, "skipped_runs": skipped,
