@@ -252,3 +252,13 @@ def bar_plot(path, groups: list[str], series: dict[str, list[float | None]], *, 
     plt.close(fig)
     print(f"wrote {path}")
     return path
+
+
+def plot_by_config(path, rows, *, title, ylabel="fwd+bwd median ms"):
+    """Grouped bars: one group per (H, V, N, unmasked fraction) config, one bar per method."""
+    groups = sorted({(r["H"], r["V"], r["N"], r["frac"]) for r in rows})
+    names = list(dict.fromkeys(r["method"] for r in rows))
+    lookup = {(r["H"], r["V"], r["N"], r["frac"], r["method"]): r for r in rows}
+    bar_plot(path, [f"{h}x{v}\nN={n} f={f}" for h, v, n, f in groups],
+             {m: [lookup.get((*g, m), {}).get("median_ms") for g in groups] for m in names},
+             ylabel=ylabel, title=title)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (bar_plot, default_json, fmt_bytes, hardware, peak_extra_bytes,  # noqa: E402
+from _common import (plot_by_config, default_json, fmt_bytes, hardware, peak_extra_bytes,  # noqa: E402
                      print_table, randn_on, time_fn, time_interleaved, write_json)
 
 from fastrehearse.kernels import PolicyLossConfig, Role, linear_policy_loss  # noqa: E402
@@ -213,12 +213,8 @@ def main(argv=None):
                       "load_avg_end": os.getloadavg(), "argv": sys.argv[1:],
                       "timing": "interleaved round-robin per config" if args.interleave else
                       "sequential per method", "rows": rows, "skipped": skipped})
-    groups = sorted({(r["H"], r["V"], r["N"], r["frac"]) for r in rows})
-    names = list(dict.fromkeys(r["method"] for r in rows))
-    lookup = {(r["H"], r["V"], r["N"], r["frac"], r["method"]): r for r in rows}
-    bar_plot(path.with_suffix(".png"), [f"{h}x{v}\nN={n} f={f}" for h, v, n, f in groups],
-             {m: [lookup.get((*g, m), {}).get("median_ms") for g in groups] for m in names},
-             ylabel="fwd+bwd median ms", title=f"GRPO loss fwd+bwd ({hw.get('gpu') or hw['cpu']})")
+    plot_by_config(path.with_suffix(".png"), rows,
+                   title=f"GRPO loss fwd+bwd ({hw.get('gpu') or hw['cpu']})")
 
 
 if __name__ == "__main__":
