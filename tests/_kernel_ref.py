@@ -55,11 +55,3 @@ def ref_policy_loss(x, w, t, roles, adv, old, ref, cfg, normalizers=None, token_
         loss = loss + role_w[r] * c * l
     return loss
 
-
-def one_thread():
-    """Generator for an autouse fixture: tiny GEMMs on a 2-core box shared by many jobs are
-    10-100x slower with an OpenMP pool spinning on busy cores; these tests need one thread."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)

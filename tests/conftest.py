@@ -1,8 +1,20 @@
 import os
 
+import pytest
 import torch
 
 # No GPU on CPU CI: run Triton kernels through the interpreter. Must be set before triton is
 # imported anywhere (triton reads it at kernel launch/JIT time).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny GEMMs on a 2-core box shared by many jobs are 10-100x slower with an OpenMP pool
+    spinning on busy cores; modules of small-tensor tests opt in with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

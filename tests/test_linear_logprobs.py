@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _kernel_ref import one_thread, ref_logprobs, rel_err
+from _kernel_ref import ref_logprobs, rel_err
 from fastrehearse.kernels import linear_logprobs
 
 BACKENDS = ["torch", "triton"]
@@ -18,7 +18,7 @@ LOGP_TOL = 1e-4   # fp32: max abs error of logp / entropy
 GRAD_TOL = 1e-4   # fp32: ||g - g_ref|| / ||g_ref||
 
 
-_one_thread = pytest.fixture(autouse=True)(one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)

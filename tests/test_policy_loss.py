@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from _kernel_ref import one_thread, ref_policy_loss, rel_err
+from _kernel_ref import ref_policy_loss, rel_err
 from fastrehearse.kernels import (PolicyLossConfig, Role, linear_logprobs, linear_policy_loss)
 
 TOL = 1e-4
@@ -18,7 +18,7 @@ FAST_PATHS = PATHS[:3]
 ACT, REH, OBS, CTX = int(Role.ACT), int(Role.REHEARSE), int(Role.OBSERVED), int(Role.CONTEXT)
 
 
-_one_thread = pytest.fixture(autouse=True)(one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_batch(n=80, h=16, v=257, seed=0, noise=0.4, temperature=1.0):

@@ -20,13 +20,7 @@ from fastrehearse.rollout.testing import (CalcEnv, ScriptedBias, calc_tasks, lla
 STOPS = {"final_answer", "max_new_tokens", "max_turns", "max_episode_tokens", "malformed"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls with 2 threads on a shared 2-core machine spin badly (15x slower here).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,7 @@ from fastrehearse.rollout.template import ChatTemplate, assistant_text
 from fastrehearse.rollout.testing import ScriptedTurns
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
