@@ -11,7 +11,8 @@ so every rep sees the same weights and the two methods can be checked against ea
             varlen attention (episodes isolated by cu_seqlens, no padding), final hidden states
             only, fastrehearse.kernels.linear_policy_loss (fused, chunked: never the [N, V] logits),
             CONTEXT tokens skip the LM-head projection. Role-wise global normalizers.
-  hf-style  episodes in arrival order, `--hf-batch` per micro-batch, right-padded to the longest,
+  hf-style  episodes in arrival order, `--hf-batch` per micro-batch (default: as many micro-batches
+            as ours packs, so both hold the same real tokens per forward), right-padded to the longest,
             the same model weights (one copy in memory; lr 0, so nothing changes between methods),
             transformers SDPA attention with a padding mask, full logits [B, L, V] in fp32,
             log_softmax + gather, the same PPO-clip / per-role token-mean loss in plain torch
@@ -204,7 +205,9 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--episodes", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=2048, help="token budget of a packed row")
-    ap.add_argument("--hf-batch", type=int, default=2, help="episodes per padded micro-batch")
+    ap.add_argument("--hf-batch", type=int, default=None,
+                    help="episodes per padded micro-batch (default: ceil(episodes / ours' packed rows), "
+                         "i.e. the same number of micro-batches and real tokens per forward as ours)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--activation-checkpointing", action="store_true",
                     help="recompute each decoder block in backward, for both methods")
@@ -218,13 +221,16 @@ def main():
     episodes = make_episodes(args.episodes, vocab)
     add_old_logprobs(model, episodes, args.max_tokens)
     real_tokens = sum(len(e) for e in episodes)
-    counts = local_counts(pack(episodes, args.max_tokens))[0]
+    packed = pack(episodes, args.max_tokens)
+    counts = local_counts(packed)[0]
+    if args.hf_batch is None:      # matched micro-batches: a smaller hf batch would trade its speed
+        args.hf_batch = -(-len(episodes) // len(packed))           # for memory, and vice versa
     n_params = sum(p.numel() for p in model.parameters())
 
     L = [len(e) for e in episodes]
     padded = sum(max(L[s:s + args.hf_batch]) * len(L[s:s + args.hf_batch]) for s in range(0, len(L), args.hf_batch))
     print(f"{args.model}: {n_params / 1e6:.0f}M params, {len(episodes)} episodes, {real_tokens} real tokens "
-          f"(hf-style pads to {padded}), loss-bearing {int(counts[1] + counts[2])}, device {device}")
+          f"(ours: {len(packed)} packed rows; hf-style: batches of {args.hf_batch} padded to {padded}), loss-bearing {int(counts[1] + counts[2])}, device {device}")
 
     # One model instance, one optimizer at a time (lr 0 and no weight change: both methods see the
     # same weights), so the process holds a single copy of weights + AdamW state.
