@@ -2,13 +2,19 @@
 
 With s = X W^T / T for a block of R rows, processed V_b vocabulary columns at a time:
 
-forward (online over vocabulary blocks, no N x V tensor): m = the first block's exact row max;
-    every block adds S += sum_j exp(s_j - m), A += sum_j exp(s_j - m)(s_j - m) (A for the
-    entropy only) with the *same* shift m, so no |s|-sized number is re-rounded per block (at
-    |s| ~ 160 a running lse re-based every block drifts by ~1e-4). At the end lse = m + log S,
-    H = log S - A / S (no lse - E[s] cancellation), logp = s_t - lse. A block whose max exceeds
-    m by more than ~41 (S_b > 1e18: the entropy sum could overflow fp32) is redone for those
-    rows with their exact block max and merged with re-basing (rare; tested).
+forward, direct (every row whose lse ends up in [-69, 69], i.e. all rows of a trained LM head):
+    per block S += sum_j exp(s_j), A += sum_j exp(s_j) s_j (A for the entropy only), with no
+    shift at all: the GEMM is plain X W_b^T (K = H) and a block costs one exp pass and one sum.
+    lse = log S, H = log S - A / S, logp = s_t - lse. exp(s) cannot overflow a sum that ends
+    below 1e30, and a row whose terms all underflow ends below 1e-30: rows outside that window
+    (|logits| ~ 70 and beyond; inf / NaN too) are recomputed by the shifted forward.
+forward, shifted (those rows only): m = the first block's exact row max; every block adds
+    S += sum_j exp(s_j - m), A += sum_j exp(s_j - m)(s_j - m) with the *same* shift m, so no
+    |s|-sized number is re-rounded per block (at |s| ~ 160 a running lse re-based every block
+    drifts by ~1e-4). At the end lse = m + log S, H = log S - A / S (no lse - E[s]
+    cancellation), logp = s_t - lse. A block whose max exceeds m by more than ~41 (S_b > 1e18:
+    the entropy sum could overflow fp32) is redone for those rows with their exact block max
+    and merged with re-basing (rare; tested).
 backward (lse, H known): logq = s - lse, p = exp(logq);
     dS = -diag(g1) P + onehot diag(g1)                 (logp gradient only)
     dS = -p (g1 + g2 H + g2 logq) + onehot diag(g1)    (with an entropy gradient)
@@ -16,11 +22,14 @@ backward (lse, H known): logq = s - lse, p = exp(logq);
     The row scale -g1 is applied to the small [R, H] operands (dX rows, X for dW) instead of
     the [R, V_b] block, and the one-hot part is an index_add over R rows at the end.
 
-Why this shape on the CPU: the shift (c or lse) enters the GEMM as an extra column of X
-against a column of ones in W_b, so each GEMM already returns s - c: the backward does a single
-elementwise pass per block (exp_) and the forward two (exp_, sum). dW_b = dS_b^T X has K = R
+Why this shape on the CPU: in the backward (and the shifted forward) the shift (lse or m)
+enters the GEMM as an extra column of X against a column of ones in W_b, so the GEMM already
+returns s - shift: the backward does a single elementwise pass per block (exp_), the direct
+forward two (exp_, sum) after a plain GEMM. dW_b = dS_b^T X has K = R
 (one write per weight row; no V x H fp32 accumulator re-read every chunk), dX accumulates
-in an [R, H] fp32 buffer. FLOPs as the row-chunked path: forward 2NHV, backward 6NHV.
+in an [R, H] fp32 buffer. FLOPs as the row-chunked path: forward 2NHV, backward 6NHV. Each row
+block reuses one preallocated [R, V_b] buffer for its GEMM outputs (a fresh multi-MiB tensor per
+block costs page faults on every allocation).
 """
 from __future__ import annotations
 
@@ -28,6 +37,10 @@ import torch
 
 from ._common import vocab_block
 
+
+# Direct forward: rows whose S = sum exp(s) ends outside this window (lse outside +-69) are redone
+# by the shifted forward. Inside it no term overflowed and the terms that matter did not underflow.
+_S_DIRECT = (1e-30, 1e30)
 
 # A block sum above this means the block max exceeds the running lse by > ~41: the entropy sum
 # sum e (s - c) could then overflow fp32 (e up to 3e38), so such rows are redone with their
@@ -70,64 +83,122 @@ def _merge(m, s, a, c, s_b, a_b):
     return mn, s_new, a_new
 
 
+def _block_view(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A contiguous [rows, cols] view at the start of a flat preallocated buffer."""
+    return buf[: rows * cols].view(rows, cols)
+
+
+def _gather_in_block(zb, t_c, v0: int, acc, offset=None):
+    """acc[i] = zb[i, t_c[i] - v0] (+ offset[i]) for the rows whose target lies in this block."""
+    nb = zb.shape[1]
+    idx = t_c - v0
+    inb = (idx >= 0) & (idx < nb)
+    z_t = zb.gather(1, idx.clamp(0, nb - 1).view(-1, 1)).squeeze(1)
+    return torch.where(inb, z_t if offset is None else z_t + offset, acc)
+
+
 def blocked_stats(x, w, t, inv_temp: float, with_entropy: bool, rows: int):
     """(logp, entropy or None, lse), fp32 [n], for the compacted rows x [n, H] (torch backend)."""
-    n, h = x.shape
-    v = w.shape[0]
-    dev = x.device
-    logp = torch.empty(n, device=dev, dtype=torch.float32)
-    lse_out = torch.empty_like(logp)
+    n = x.shape[0]
+    logp = torch.empty(n, device=x.device, dtype=torch.float32)
+    lse = torch.empty_like(logp)
     ent = torch.empty_like(logp) if with_entropy else None
     for s in range(0, n, rows):
         e = min(n, s + rows)
-        xa = _aug_rows(x[s:e], inv_temp)
-        t_c = t[s:e]
-        bv = vocab_block(e - s, v, dev)
-        wa = _aug_weight_buf(bv, h, dev)
-        m = s_acc = a_acc = None
-        s_t = torch.zeros(e - s, device=dev, dtype=torch.float32)
-        for v0 in range(0, v, bv):
-            v1 = min(v, v0 + bv)
-            wb = wa[: v1 - v0]
-            wb[:, :h].copy_(w[v0:v1])
-            xa[:, h] = 0.0 if m is None else -m
-            zb = torch.mm(xa, wb.t())                      # s - m
-            idx = t_c - v0
-            inb = (idx >= 0) & (idx < v1 - v0)
-            z_t = zb.gather(1, idx.clamp(0, v1 - v0 - 1).view(-1, 1)).squeeze(1)
-            s_t = torch.where(inb, z_t if m is None else z_t + m, s_t)
-            if m is None:                                  # first block: exact row max
-                m = zb.amax(1)
-                zb.sub_(m.view(-1, 1))
-                s_acc, a_acc = _sum_exp(zb, with_entropy)
-                continue
-            s_b, a_b = _sum_exp(zb, with_entropy)
-            # a block max far above m: exp (or sum e (s - m)) overflowed or came close, so redo
-            # those rows with their exact block max and re-base them (rare)
-            bad = ~(s_b <= _S_MAX)
-            if bool(bad.any()):
-                r_bad = bad.nonzero().view(-1)
-                s_b = torch.where(bad, 0.0, s_b)
-                a_b = None if a_b is None else torch.where(bad, 0.0, a_b)
-            s_acc = s_acc + s_b                            # same shift m: no re-basing, no
-            a_acc = None if a_b is None else a_acc + a_b   # rounding of |s|-sized numbers
-            if bool(bad.any()):
-                zr = torch.mm(xa.index_select(0, r_bad), wb.t())
-                cr = zr.amax(1)
-                zr.sub_(cr.view(-1, 1))
-                sr, ar = _sum_exp(zr, with_entropy)
-                mr, sr, ar = _merge(m[r_bad], s_acc[r_bad], None if a_acc is None
-                                    else a_acc[r_bad], m[r_bad] + cr, sr, ar)
-                m, s_acc = m.index_copy(0, r_bad, mr), s_acc.index_copy(0, r_bad, sr)
-                a_acc = None if a_acc is None else a_acc.index_copy(0, r_bad, ar)
-            del zb
-        log_s = torch.log(s_acc)
-        lse = m + log_s
-        logp[s:e] = s_t - lse
-        lse_out[s:e] = lse
+        lp_c, ent_c, lse_c, ok = _direct_stats(x[s:e], w, t[s:e], inv_temp, with_entropy)
+        if not bool(ok.all()):                   # rows with |logits| ~ 70+: the shifted forward
+            bad = (~ok).nonzero().view(-1)
+            lp_b, ent_b, lse_b = _shifted_stats(x[s:e].index_select(0, bad), w,
+                                                t[s:e].index_select(0, bad), inv_temp, with_entropy)
+            lp_c.index_copy_(0, bad, lp_b)
+            lse_c.index_copy_(0, bad, lse_b)
+            if with_entropy:
+                ent_c.index_copy_(0, bad, ent_b)
+        logp[s:e], lse[s:e] = lp_c, lse_c
         if with_entropy:
-            ent[s:e] = log_s - a_acc / s_acc
-    return logp, ent, lse_out
+            ent[s:e] = ent_c
+    return logp, ent, lse
+
+
+def _direct_stats(x_c, w, t_c, inv_temp: float, with_entropy: bool):
+    """Shift-free forward of one row block: (logp, ent or None, lse, ok) with ok = rows to keep."""
+    r, h = x_c.shape
+    v = w.shape[0]
+    dev = x_c.device
+    xs = x_c.float()                               # upcast before scaling: x / T in bf16 rounds
+    if inv_temp != 1.0:
+        xs = xs * inv_temp
+    bv = vocab_block(r, v, dev)
+    zbuf = torch.empty(r * bv, device=dev, dtype=torch.float32)
+    ebuf = torch.empty_like(zbuf) if with_entropy else None
+    wbuf = None if w.dtype == torch.float32 else torch.empty(bv, h, device=dev, dtype=torch.float32)
+    s_acc = torch.zeros(r, device=dev, dtype=torch.float32)
+    a_acc = torch.zeros_like(s_acc) if with_entropy else None
+    s_t = torch.zeros_like(s_acc)
+    for v0 in range(0, v, bv):
+        v1 = min(v, v0 + bv)
+        wb = w[v0:v1] if wbuf is None else wbuf[: v1 - v0].copy_(w[v0:v1])
+        zb = torch.mm(xs, wb.t(), out=_block_view(zbuf, r, v1 - v0))   # s
+        s_t = _gather_in_block(zb, t_c, v0, s_t)
+        if with_entropy:
+            eb = torch.exp(zb, out=_block_view(ebuf, r, v1 - v0))
+            s_acc += eb.sum(1)
+            a_acc += eb.mul_(zb).sum(1)
+        else:
+            s_acc += zb.exp_().sum(1)
+    ok = (s_acc >= _S_DIRECT[0]) & (s_acc <= _S_DIRECT[1])   # False for inf / NaN too
+    log_s = torch.log(s_acc)
+    ent = log_s - a_acc / s_acc if with_entropy else None
+    return s_t - log_s, ent, log_s, ok
+
+
+def _shifted_stats(x, w, t, inv_temp: float, with_entropy: bool):
+    """Forward with a per-row shift (the first block's max) for rows the direct forward rejects."""
+    n, h = x.shape
+    v = w.shape[0]
+    dev = x.device
+    xa = _aug_rows(x, inv_temp)
+    bv = vocab_block(n, v, dev)
+    wa = _aug_weight_buf(bv, h, dev)
+    zbuf = torch.empty(n * bv, device=dev, dtype=torch.float32)
+    m = s_acc = a_acc = None
+    s_t = torch.zeros(n, device=dev, dtype=torch.float32)
+    for v0 in range(0, v, bv):
+        v1 = min(v, v0 + bv)
+        wb = wa[: v1 - v0]
+        wb[:, :h].copy_(w[v0:v1])
+        xa[:, h] = 0.0 if m is None else -m
+        zb = torch.mm(xa, wb.t(), out=_block_view(zbuf, n, v1 - v0))   # s - m
+        s_t = _gather_in_block(zb, t, v0, s_t, offset=m)
+        if m is None:                                  # first block: exact row max
+            m = zb.amax(1)
+            zb.sub_(m.view(-1, 1))
+            s_acc, a_acc = _sum_exp(zb, with_entropy)
+            continue
+        s_b, a_b = _sum_exp(zb, with_entropy)
+        # a block max far above m: exp (or sum e (s - m)) overflowed or came close, so redo
+        # those rows with their exact block max and re-base them (rare)
+        bad = ~(s_b <= _S_MAX)
+        if bool(bad.any()):
+            r_bad = bad.nonzero().view(-1)
+            s_b = torch.where(bad, 0.0, s_b)
+            a_b = None if a_b is None else torch.where(bad, 0.0, a_b)
+        s_acc = s_acc + s_b                            # same shift m: no re-basing, no
+        a_acc = None if a_b is None else a_acc + a_b   # rounding of |s|-sized numbers
+        if bool(bad.any()):
+            zr = torch.mm(xa.index_select(0, r_bad), wb.t())
+            cr = zr.amax(1)
+            zr.sub_(cr.view(-1, 1))
+            sr, ar = _sum_exp(zr, with_entropy)
+            mr, sr, ar = _merge(m[r_bad], s_acc[r_bad], None if a_acc is None
+                                else a_acc[r_bad], m[r_bad] + cr, sr, ar)
+            m, s_acc = m.index_copy(0, r_bad, mr), s_acc.index_copy(0, r_bad, sr)
+            a_acc = None if a_acc is None else a_acc.index_copy(0, r_bad, ar)
+        del zb
+    log_s = torch.log(s_acc)
+    lse = m + log_s
+    ent = log_s - a_acc / s_acc if with_entropy else None
+    return s_t - lse, ent, lse
 
 
 def blocked_backward(x, w, t, lse, ent, g1, g2, inv_temp: float, rows: int, need_dx, need_dw):
@@ -160,11 +231,12 @@ def blocked_backward(x, w, t, lse, ent, g1, g2, inv_temp: float, rows: int, need
         dxa = torch.zeros(e - s, h, device=dev, dtype=torch.float32) if need_dx else None
         bv = vocab_block(e - s, v, dev)
         wa = _aug_weight_buf(bv, h, dev)
+        zbuf = torch.empty((e - s) * bv, device=dev, dtype=torch.float32)
         for v0 in range(0, v, bv):
             v1 = min(v, v0 + bv)
             wb = wa[: v1 - v0]
             wb[:, :h].copy_(w[v0:v1])
-            zb = torch.mm(xa, wb.t())                      # log p
+            zb = torch.mm(xa, wb.t(), out=_block_view(zbuf, e - s, v1 - v0))   # log p
             if g2 is None:
                 blk = zb.exp_()                            # P (row scale r applied outside)
             else:                                          # -p (a + g2 log p)

@@ -66,9 +66,15 @@ def torch_block_rows(n: int, chunk_size: int | None = None) -> int:
     return max(1, min(n, TORCH_BLOCK_ROWS))
 
 
+# One [rows, V_b] fp32 block of the torch backend on the CPU: small enough that the GEMM's packed
+# weight block and the elementwise passes stay in cache (8 MiB measured ~8% faster than 32 MiB
+# end to end for H=576, V=49152 on a 2-core EPYC).
+VOCAB_BLOCK_BYTES_CPU = 8 << 20
+
+
 def vocab_block(rows: int, v: int, device: torch.device) -> int:
     """Vocabulary columns per block so one fp32 [rows, V_b] block stays within the budget."""
-    budget = CHUNK_BYTES_CUDA if device.type == "cuda" else CHUNK_BYTES_CPU
+    budget = CHUNK_BYTES_CUDA if device.type == "cuda" else VOCAB_BLOCK_BYTES_CPU
     cols = max(1, budget // (4 * max(rows, 1)))
     if cols >= 128:
         cols -= cols % 64

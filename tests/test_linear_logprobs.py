@@ -168,7 +168,7 @@ def test_default_chunking_multi_chunk_torch():
 def test_torch_vocab_blocks(monkeypatch, budget, case):
     # A tiny byte budget splits the vocabulary into many blocks (the online lse / entropy merge).
     import fastrehearse.kernels._common as common
-    monkeypatch.setattr(common, "CHUNK_BYTES_CPU", budget)
+    monkeypatch.setattr(common, "VOCAB_BLOCK_BYTES_CPU", budget)
     check_against_ref("torch", seed=zlib.crc32(case.encode()) % 1000 + budget, **CASES[case])
 
 
@@ -178,7 +178,7 @@ def test_torch_vocab_block_overflow_and_underflow(monkeypatch, with_entropy):
     # those rows are recomputed with their exact block max) or ~300 below (every exp underflows:
     # the block must add nothing, not NaN) the first block's.
     import fastrehearse.kernels._common as common
-    monkeypatch.setattr(common, "CHUNK_BYTES_CPU", 4 * 8 * 64)   # 8 rows -> 64-column blocks
+    monkeypatch.setattr(common, "VOCAB_BLOCK_BYTES_CPU", 4 * 8 * 64)   # 8 rows -> 64-column blocks
     n, h, v = 8, 8, 320
     g = torch.Generator().manual_seed(21)
     x = torch.randn(n, h, generator=g)
@@ -200,6 +200,45 @@ def test_torch_vocab_block_overflow_and_underflow(monkeypatch, with_entropy):
     assert torch.isfinite(lp).all() and _maxabs(lp, lr) <= LOGP_TOL
     if with_entropy:
         assert torch.isfinite(ent).all() and _maxabs(ent, er) <= LOGP_TOL
+    assert rel_err(xk.grad, xr.grad) <= GRAD_TOL and rel_err(wk.grad, wr.grad) <= GRAD_TOL
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_torch_direct_and_shifted_rows_in_one_block(monkeypatch, with_entropy):
+    # The shift-free forward keeps rows whose lse lies within +-69 and hands the others (here:
+    # rows with logits ~ +80 and ~ -150) to the shifted forward; both kinds share a row
+    # block and several vocabulary blocks. Every row must match float64 and the split must be
+    # the expected one.
+    import fastrehearse.kernels._blocked as blocked
+    import fastrehearse.kernels._common as common
+    monkeypatch.setattr(common, "VOCAB_BLOCK_BYTES_CPU", 4 * 16 * 64)   # 16 rows -> 64 columns
+    seen = []
+    real = blocked._shifted_stats
+    monkeypatch.setattr(blocked, "_shifted_stats", lambda x, *a: seen.append(x.shape[0]) or real(x, *a))
+    n, h, v = 16, 12, 333
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, h, generator=g)
+    w = torch.randn(v, h, generator=g) / h ** 0.5
+    # column 0 of w is -1 everywhere and x[:, 0] = 0 except in two rows: a common offset of
+    # +80 (row 3) or -150 (row 7) on every logit of that row, nothing for the others
+    w[:, 0] = -1.0
+    x[:, 0] = 0.0
+    x[3, 0], x[7, 0] = -80.0, 150.0
+    t = torch.randint(0, v, (n,), generator=g)
+    xk, wk = x.clone().requires_grad_(), w.clone().requires_grad_()
+    lp, ent = linear_logprobs(xk, wk, t, with_entropy=with_entropy, backend="torch")
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    lr, er = ref_logprobs(xr, wr, t)
+    lse_ref = torch.logsumexp(xr.detach() @ wr.detach().T, 1)
+    expect = int(((lse_ref < -69) | (lse_ref > 69)).sum())
+    assert expect >= 2 and seen == [expect]
+    g1 = torch.randn(n, generator=g, dtype=torch.float64)
+    g2 = torch.randn(n, generator=g, dtype=torch.float64)
+    ((lr * g1).sum() + ((er * g2).sum() if with_entropy else 0)).backward()
+    ((lp * g1.float()).sum() + ((ent * g2.float()).sum() if with_entropy else 0)).backward()
+    assert _maxabs(lp, lr) <= LOGP_TOL
+    if with_entropy:
+        assert _maxabs(ent, er) <= LOGP_TOL
     assert rel_err(xk.grad, xr.grad) <= GRAD_TOL and rel_err(wk.grad, wr.grad) <= GRAD_TOL
 
 

@@ -39,11 +39,23 @@ try:  # optional GPU extra
 except Exception:  # pragma: no cover - not installable on CPU CI
     _flash_varlen = None
 
-try:
-    from torch.nn.attention.varlen import varlen_attn as _torch_varlen  # torch >= 2.10
-    _TV_PARAMS = set(inspect.signature(_torch_varlen).parameters)
-except Exception:  # pragma: no cover
-    _torch_varlen, _TV_PARAMS = None, set()
+# torch.nn.attention.varlen (torch >= 2.10) imports torch._dynamo, ~3 s: loaded on first CUDA use
+# only, so CPU runs and `fastrehearse --help` do not pay for it.
+_UNLOADED = object()
+_torch_varlen = _UNLOADED
+_TV_PARAMS: set = set()
+
+
+def _get_torch_varlen():
+    """torch's varlen_attn, or None when this torch has none (imported once, lazily)."""
+    global _torch_varlen, _TV_PARAMS
+    if _torch_varlen is _UNLOADED:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+            _torch_varlen, _TV_PARAMS = varlen_attn, set(inspect.signature(varlen_attn).parameters)
+        except Exception:  # pragma: no cover - torch < 2.10
+            _torch_varlen, _TV_PARAMS = None, set()
+    return _torch_varlen
 
 
 def available_backends(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> list[str]:
@@ -52,7 +64,7 @@ def available_backends(device: torch.device | str = "cpu", dtype: torch.dtype = 
     if dev.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         if _flash_varlen is not None:
             out.append("flash_attn")
-        if _torch_varlen is not None:
+        if _get_torch_varlen() is not None:
             out.append("torch_varlen")
     out.append("sdpa")
     return out
@@ -128,6 +140,7 @@ def _varlen_kernel(backend, query, key, value, cu, max_len, dropout, scaling, n_
     elif backend == "torch_varlen":
         # Its keyword arguments changed across torch releases (is_causal -> window_size; scale and
         # enable_gqa added later): pass what this torch has.
+        fn = _get_torch_varlen()
         kw = {}
         if "scale" in _TV_PARAMS:
             kw["scale"] = scaling
@@ -143,7 +156,7 @@ def _varlen_kernel(backend, query, key, value, cu, max_len, dropout, scaling, n_
             else:
                 k = k.repeat_interleave(n_rep, dim=1)
                 v = v.repeat_interleave(n_rep, dim=1)
-        out = _torch_varlen(q, k, v, cu32, cu32, max_len, max_len, **kw)
+        out = fn(q, k, v, cu32, cu32, max_len, max_len, **kw)
     else:
         raise ValueError(f"unknown varlen backend {backend!r}")
     return out.unsqueeze(0)
