@@ -57,3 +57,70 @@ def test_tau2_tiny_model_two_tasks(tmp_path):
     c = res["categories"]["telecom"]
     assert c["n"] == 2 and 0.0 <= c["accuracy"] <= 1.0 and c["errors"] == 0
     assert c["mean_gen_tokens"] > 0 and res["overall"] == c["accuracy"]
+
+
+
+def test_tau2_conversational_reply_reaches_user_simulator(tmp_path, monkeypatch):
+    """Conversational mode through the harness: each agent text reply goes to
+    `env.next_user_message(reply)` (also through a DriftEnv), the simulated user's answer is the next
+    user turn, the user's stop ends the episode and tau2 grades it. Solo mode has no simulator: a
+    text reply ends the episode."""
+    from test_env_tau2_usersim import ScriptedUser
+
+    from fastrehearse.envs.tau2 import Tau2Suite
+    from fastrehearse.eval.drift import DriftEnv, DriftSpec
+    from fastrehearse.eval.harness import HarnessConfig, run_items
+    from fastrehearse.eval.policies import GoldPolicy
+    from fastrehearse.eval.results import ResultStore
+
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    ASK = "Anything else I can do for you?"
+
+    class Talker(GoldPolicy):
+        """The gold calls, but one question of its own before the gold closing line."""
+        def act(self, states):
+            out = []
+            for st in states:
+                i = st.scratch.get("gold_i", 0)
+                msg = super().act([st])[0]
+                if not msg.get("tool_calls") and not st.scratch.get("asked"):
+                    st.scratch["asked"], st.scratch["gold_i"] = True, i   # closing line next turn
+                    msg = {"role": "assistant", "content": ASK}
+                out.append(msg)
+            return out
+
+    for wrap in (False, True):
+        sim = ScriptedUser(["Hi, I need help with my reservation.", "No, that is all.", "###STOP###"])
+        try:
+            suite = Tau2Suite(user_url=sim.url, user_model="openai/scripted-user", solo=False)
+            task = suite.tasks("mock", limit=1)[0]
+            envs = []
+
+            def make_env(c, suite=suite, envs=envs):
+                env = suite.make_env()
+                envs.append(env)
+                return DriftEnv(env, DriftSpec.parse("errors")) if wrap else env
+
+            [r] = run_items([("mock", task)], make_env, Talker(), ResultStore(tmp_path / f"conv{wrap}", {}),
+                            HarnessConfig(batch_size=1, max_steps=8))
+            sent = [body["messages"][-1]["content"] for _, body in sim.requests]
+            assert len(sent) == 3, sent                       # greeting answer, then one per reply
+            assert sent[1] == ASK and sent[2] == "Done."
+            roles = [(m["role"], m.get("content")) for m in r.extra["transcript"]]
+            assert ("user", "No, that is all.") in roles
+            assert envs[0].user_stopped and r.error is None and r.steps == 3
+            assert r.score == 1.0                              # tau2's evaluator: DB + communication
+        finally:
+            sim.close()
+
+    class Chatty:
+        name = "chatty"
+
+        def act(self, states):
+            return [{"role": "assistant", "content": ASK} for _ in states]
+
+    solo = Tau2Suite()                                          # mock is solo by default: no user
+    task = solo.tasks("mock", limit=1)[0]
+    [r] = run_items([("mock", task)], lambda c: solo.make_env(), Chatty(), ResultStore(tmp_path / "solo", {}),
+                    HarnessConfig(batch_size=1, max_steps=8))
+    assert r.steps == 1 and r.score == 0.0 and r.error is None  # tau2 solo: text reply = agent error
