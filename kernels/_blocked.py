@@ -21,6 +21,10 @@ backward (lse, H known): logq = s - lse, p = exp(logq);
     dX = dS W / T,  dW = dS^T X / T
     The row scale -g1 is applied to the small [R, H] operands (dX rows, X for dW) instead of
     the [R, V_b] block, and the one-hot part is an index_add over R rows at the end.
+    direct (every lse of the row block within +-69): p = e^s e^-lse, and e^-lse joins the row
+    scale, so the GEMM is plain X W_b^T again; guarded (see _direct_row_scale) against row
+    scales leaving the normal fp32 range and against overflow of sum_j e^s_j w_j.
+    shifted (otherwise): -lse is an extra GEMM column, so the GEMM returns logq directly.
 
 Why this shape on the CPU: in the backward (and the shifted forward) the shift (lse or m)
 enters the GEMM as an extra column of X against a column of ones in W_b, so the GEMM already
@@ -32,6 +36,8 @@ block reuses one preallocated [R, V_b] buffer for its GEMM outputs (a fresh mult
 block costs page faults on every allocation).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -211,54 +217,143 @@ def blocked_backward(x, w, t, lse, ent, g1, g2, inv_temp: float, rows: int, need
     dev = x.device
     dx = torch.empty_like(x) if need_dx else None
     dw = torch.empty(v, h, device=dev, dtype=torch.float32) if need_dw else None
+    log_wmax = None
     for s in range(0, n, rows):
         e = min(n, s + rows)
-        xa = _aug_rows(x[s:e], inv_temp)
-        xs = xa[:, :h]                                     # x / T
-        xa[:, h] = -lse[s:e]
         g1_c = None if g1 is None else g1[s:e]
         if g2 is None:
-            r = -g1_c                                      # dS = diag(r) P + onehot
-            a = g2_c = None
+            a_c = beta = gamma = None
+        else:   # -p (a + g2 log p) with log p = s - lse:  beta + gamma s = a - g2 lse + g2 s
+            a_c = g2[s:e] * ent[s:e] + (0.0 if g1_c is None else g1_c)
+            beta, gamma = a_c - g2[s:e] * lse[s:e], g2[s:e]
+        rho = _direct_row_scale(lse[s:e], g1_c, beta, gamma)
+        if rho is not None and need_dx:   # dX accumulates sum_j e^s_j |w_j| (beta + gamma s_j)
+            if log_wmax is None:
+                lo, hi = torch.aminmax(w)                 # one pass, no |w| copy
+                log_wmax = math.log(max(-float(lo), float(hi), 1e-30))
+            if float(lse[s:e].max()) + log_wmax + _log_row_factor(beta, gamma) > _LOG_ACC_MAX:
+                rho = None
+        block = (x[s:e], w, t[s:e], g1_c, inv_temp, dw, s == 0, need_dx)
+        if rho is not None:
+            dx_c = _direct_backward(*block, rho, beta, gamma)
         else:
-            r = None
-            g2_c = -g2[s:e].view(-1, 1)
-            a = g2[s:e] * ent[s:e]
-            if g1_c is not None:
-                a = a + g1_c
-            a = a.view(-1, 1)
-        xg = xs * r.view(-1, 1) if (need_dw and r is not None) else xs
-        dxa = torch.zeros(e - s, h, device=dev, dtype=torch.float32) if need_dx else None
-        bv = vocab_block(e - s, v, dev)
-        wa = _aug_weight_buf(bv, h, dev)
-        zbuf = torch.empty((e - s) * bv, device=dev, dtype=torch.float32)
-        for v0 in range(0, v, bv):
-            v1 = min(v, v0 + bv)
-            wb = wa[: v1 - v0]
-            wb[:, :h].copy_(w[v0:v1])
-            zb = torch.mm(xa, wb.t(), out=_block_view(zbuf, e - s, v1 - v0))   # log p
-            if g2 is None:
-                blk = zb.exp_()                            # P (row scale r applied outside)
-            else:                                          # -p (a + g2 log p)
-                p = torch.exp(zb)
-                blk = zb.mul_(g2_c).sub_(a).mul_(p)
-                del p
-            if need_dx:
-                dxa.addmm_(blk, wb[:, :h])
-            if need_dw:
-                if s == 0:
-                    torch.mm(blk.t(), xg, out=dw[v0:v1])
-                else:
-                    dw[v0:v1].addmm_(blk.t(), xg)
-            del zb, blk
-        if g1_c is not None and need_dw:
-            dw.index_add_(0, t[s:e], xs * g1_c.view(-1, 1))
+            dx_c = _shifted_backward(*block, lse[s:e], a_c, gamma)
         if need_dx:
-            if r is not None:
-                dxa.mul_(r.view(-1, 1))
-            if g1_c is not None:
-                dxa.add_(w.index_select(0, t[s:e]).float() * g1_c.view(-1, 1))
-            if inv_temp != 1.0:
-                dxa.mul_(inv_temp)
-            dx[s:e] = dxa
+            dx[s:e] = dx_c
     return dx, dw
+
+
+# Direct backward: p = e^s * e^-lse with the row scale e^-lse (times -g1 without an entropy
+# gradient) applied to the small [R, H] operands. Allowed for a row block when every lse is
+# within +-69 (e^s neither overflows nor loses the terms that matter), every row scale is 0 or
+# within [1e-30, 1e30] (X rows scaled by it stay normal numbers), and the dX accumulator
+# sum_j e^s_j w_j cannot pass e^_LOG_ACC_MAX. Otherwise the shifted backward runs.
+_LSE_DIRECT = 69.0
+_LOG_ACC_MAX = 80.0
+
+
+def _direct_row_scale(lse_c, g1_c, beta, gamma):
+    """Per-row scale rho (fp32 [R]) of the direct backward, or None when it is not safe."""
+    if not bool((lse_c.abs() <= _LSE_DIRECT).all()):        # False for inf / NaN too
+        return None
+    c = torch.exp(-lse_c.double())
+    rho = -c if beta is not None else -g1_c.double() * c
+    mag = rho.abs()
+    if not bool(((mag == 0) | ((mag >= 1e-30) & (mag <= 1e30))).all()):
+        return None
+    return rho.float()
+
+
+def _log_row_factor(beta, gamma) -> float:
+    """log of a bound on |beta + gamma s| over the block (0 without an entropy gradient)."""
+    if beta is None:
+        return 0.0
+    bound = float((beta.abs() + gamma.abs() * 2 * _LSE_DIRECT).max())
+    return math.log(max(bound, 1e-30))
+
+
+def _weight_blocks(w, bv: int, h: int):
+    """Yield (v0, v1, fp32 [v1 - v0, H] weight block): a view when w is fp32, else an upcast copy."""
+    buf = None if w.dtype == torch.float32 else torch.empty(bv, h, device=w.device, dtype=torch.float32)
+    for v0 in range(0, w.shape[0], bv):
+        v1 = min(w.shape[0], v0 + bv)
+        yield v0, v1, (w[v0:v1] if buf is None else buf[: v1 - v0].copy_(w[v0:v1]))
+
+
+def _finish_block(x_c, w, t_c, g1_c, inv_temp, dw, need_dx, xs, dxa, rho):
+    """One-hot terms (+ g1 W[t] to dX, + g1 x to dW rows t), the row scale on dX, the 1/T."""
+    if g1_c is not None and dw is not None:
+        dw.index_add_(0, t_c, xs * g1_c.view(-1, 1))
+    if not need_dx:
+        return None
+    if rho is not None:
+        dxa.mul_(rho.view(-1, 1))
+    if g1_c is not None:
+        dxa.add_(w.index_select(0, t_c).float() * g1_c.view(-1, 1))
+    if inv_temp != 1.0:
+        dxa.mul_(inv_temp)
+    return dxa
+
+
+def _direct_backward(x_c, w, t_c, g1_c, inv_temp, dw, first, need_dx, rho, beta, gamma):
+    """Backward of one row block with no shift in the GEMM (K = H); returns dX rows (fp32)."""
+    r, h = x_c.shape
+    dev = x_c.device
+    xs = x_c.float()
+    if inv_temp != 1.0:
+        xs = xs * inv_temp
+    xg = xs * rho.view(-1, 1) if dw is not None else None
+    dxa = torch.zeros(r, h, device=dev, dtype=torch.float32) if need_dx else None
+    bv = vocab_block(r, w.shape[0], dev)
+    zbuf = torch.empty(r * bv, device=dev, dtype=torch.float32)
+    ebuf = torch.empty_like(zbuf) if beta is not None else None
+    for v0, v1, wb in _weight_blocks(w, bv, h):
+        zb = torch.mm(xs, wb.t(), out=_block_view(zbuf, r, v1 - v0))   # s
+        if beta is None:
+            blk = zb.exp_()                                             # e^s (x rho = dS)
+        else:                                                           # e^s (beta + gamma s)
+            eb = torch.exp(zb, out=_block_view(ebuf, r, v1 - v0))
+            blk = zb.mul_(gamma.view(-1, 1)).add_(beta.view(-1, 1)).mul_(eb)
+        if need_dx:
+            dxa.addmm_(blk, wb)
+        if dw is not None:
+            if first:
+                torch.mm(blk.t(), xg, out=dw[v0:v1])
+            else:
+                dw[v0:v1].addmm_(blk.t(), xg)
+    return _finish_block(x_c, w, t_c, g1_c, inv_temp, dw, need_dx, xs, dxa, rho)
+
+
+def _shifted_backward(x_c, w, t_c, g1_c, inv_temp, dw, first, need_dx, lse_c, a_c, gamma):
+    """Backward of one row block with -lse as an extra GEMM column, so the GEMM gives log p."""
+    r, h = x_c.shape
+    dev = x_c.device
+    xa = _aug_rows(x_c, inv_temp)
+    xs = xa[:, :h]                                     # x / T
+    xa[:, h] = -lse_c
+    rho = -g1_c if a_c is None else None               # dS = diag(rho) P + onehot, or
+    #                                                    dS = -p (a + g2 log p) + onehot
+    xg = xs * rho.view(-1, 1) if (dw is not None and rho is not None) else xs
+    dxa = torch.zeros(r, h, device=dev, dtype=torch.float32) if need_dx else None
+    bv = vocab_block(r, w.shape[0], dev)
+    wa = _aug_weight_buf(bv, h, dev)
+    zbuf = torch.empty(r * bv, device=dev, dtype=torch.float32)
+    ebuf = torch.empty_like(zbuf) if a_c is not None else None
+    for v0 in range(0, w.shape[0], bv):
+        v1 = min(w.shape[0], v0 + bv)
+        wb = wa[: v1 - v0]
+        wb[:, :h].copy_(w[v0:v1])
+        zb = torch.mm(xa, wb.t(), out=_block_view(zbuf, r, v1 - v0))   # log p
+        if a_c is None:
+            blk = zb.exp_()                            # P (row scale rho applied outside)
+        else:
+            p = torch.exp(zb, out=_block_view(ebuf, r, v1 - v0))
+            blk = zb.mul_(-gamma.view(-1, 1)).sub_(a_c.view(-1, 1)).mul_(p)
+        if need_dx:
+            dxa.addmm_(blk, wb[:, :h])
+        if dw is not None:
+            if first:
+                torch.mm(blk.t(), xg, out=dw[v0:v1])
+            else:
+                dw[v0:v1].addmm_(blk.t(), xg)
+    return _finish_block(x_c, w, t_c, g1_c, inv_temp, dw, need_dx, xs, dxa, rho)

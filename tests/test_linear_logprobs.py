@@ -203,8 +203,9 @@ def test_torch_vocab_block_overflow_and_underflow(monkeypatch, with_entropy):
     assert rel_err(xk.grad, xr.grad) <= GRAD_TOL and rel_err(wk.grad, wr.grad) <= GRAD_TOL
 
 
+@pytest.mark.parametrize("chunk_size", [None, 8])
 @pytest.mark.parametrize("with_entropy", [False, True])
-def test_torch_direct_and_shifted_rows_in_one_block(monkeypatch, with_entropy):
+def test_torch_direct_and_shifted_rows_in_one_block(monkeypatch, with_entropy, chunk_size):
     # The shift-free forward keeps rows whose lse lies within +-69 and hands the others (here:
     # rows with logits ~ +80 and ~ -150) to the shifted forward; both kinds share a row
     # block and several vocabulary blocks. Every row must match float64 and the split must be
@@ -212,9 +213,12 @@ def test_torch_direct_and_shifted_rows_in_one_block(monkeypatch, with_entropy):
     import fastrehearse.kernels._blocked as blocked
     import fastrehearse.kernels._common as common
     monkeypatch.setattr(common, "VOCAB_BLOCK_BYTES_CPU", 4 * 16 * 64)   # 16 rows -> 64 columns
-    seen = []
+    seen, bwd = [], []
     real = blocked._shifted_stats
     monkeypatch.setattr(blocked, "_shifted_stats", lambda x, *a: seen.append(x.shape[0]) or real(x, *a))
+    for name in ("_direct_backward", "_shifted_backward"):   # which backward each row block took
+        fn = getattr(blocked, name)
+        monkeypatch.setattr(blocked, name, lambda *a, _fn=fn, _n=name: bwd.append(_n) or _fn(*a))
     n, h, v = 16, 12, 333
     g = torch.Generator().manual_seed(5)
     x = torch.randn(n, h, generator=g)
@@ -226,19 +230,56 @@ def test_torch_direct_and_shifted_rows_in_one_block(monkeypatch, with_entropy):
     x[3, 0], x[7, 0] = -80.0, 150.0
     t = torch.randint(0, v, (n,), generator=g)
     xk, wk = x.clone().requires_grad_(), w.clone().requires_grad_()
-    lp, ent = linear_logprobs(xk, wk, t, with_entropy=with_entropy, backend="torch")
+    lp, ent = linear_logprobs(xk, wk, t, with_entropy=with_entropy, backend="torch",
+                              chunk_size=chunk_size)
     xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
     lr, er = ref_logprobs(xr, wr, t)
     lse_ref = torch.logsumexp(xr.detach() @ wr.detach().T, 1)
     expect = int(((lse_ref < -69) | (lse_ref > 69)).sum())
-    assert expect >= 2 and seen == [expect]
+    assert expect >= 2 and sum(seen) == expect
     g1 = torch.randn(n, generator=g, dtype=torch.float64)
     g2 = torch.randn(n, generator=g, dtype=torch.float64)
     ((lr * g1).sum() + ((er * g2).sum() if with_entropy else 0)).backward()
     ((lp * g1.float()).sum() + ((ent * g2.float()).sum() if with_entropy else 0)).backward()
+    # rows 3 and 7 lie in the first of two 8-row blocks: that block takes the shifted backward
+    assert bwd == (["_shifted_backward"] if chunk_size is None
+                   else ["_shifted_backward", "_direct_backward"])
     assert _maxabs(lp, lr) <= LOGP_TOL
     if with_entropy:
         assert _maxabs(ent, er) <= LOGP_TOL
+    assert rel_err(xk.grad, xr.grad) <= GRAD_TOL and rel_err(wk.grad, wr.grad) <= GRAD_TOL
+
+
+@pytest.mark.parametrize("case", ["tiny_upstream", "huge_weight_entries"])
+def test_torch_direct_backward_guards(monkeypatch, case):
+    # The direct backward folds e^-lse into a row scale on X (and accumulates e^s w into dX):
+    # an upstream gradient so small that the scale would leave the normal fp32 range, or weight
+    # entries so large that the dX accumulator could overflow, must send the block to the
+    # shifted backward, with float64-exact results either way.
+    import fastrehearse.kernels._blocked as blocked
+    bwd = []
+    for name in ("_direct_backward", "_shifted_backward"):
+        fn = getattr(blocked, name)
+        monkeypatch.setattr(blocked, name, lambda *a, _fn=fn, _n=name: bwd.append(_n) or _fn(*a))
+    n, h, v = 12, 8, 300
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(n, h, generator=g)
+    w = torch.randn(v, h, generator=g) / h ** 0.5
+    g1 = torch.randn(n, generator=g, dtype=torch.float64)
+    if case == "tiny_upstream":
+        g1 = g1 * 1e-33
+    else:   # one huge weight column entry whose logit contribution cancels (x[:, 5] = 0)
+        x[:, 5] = 0.0
+        w[17, 5] = 1e36
+    t = torch.randint(0, v, (n,), generator=g)
+    xk, wk = x.clone().requires_grad_(), w.clone().requires_grad_()
+    lp, _ = linear_logprobs(xk, wk, t, backend="torch")
+    (lp * g1.float()).sum().backward()
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    lr, _ = ref_logprobs(xr, wr, t)
+    (lr * g1).sum().backward()
+    assert bwd == ["_shifted_backward"]
+    assert _maxabs(lp, lr) <= LOGP_TOL
     assert rel_err(xk.grad, xr.grad) <= GRAD_TOL and rel_err(wk.grad, wr.grad) <= GRAD_TOL
 
 
