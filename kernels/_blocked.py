@@ -280,6 +280,17 @@ def _weight_blocks(w, bv: int, h: int):
         yield v0, v1, (w[v0:v1] if buf is None else buf[: v1 - v0].copy_(w[v0:v1]))
 
 
+def _accumulate(blk, wb, xg, dxa, dw, v0: int, v1: int, first: bool) -> None:
+    """dX_acc += blk W_b; dW[v0:v1] (=|+=) blk^T xg (written, not added, by the first row block)."""
+    if dxa is not None:
+        dxa.addmm_(blk, wb)
+    if dw is not None:
+        if first:
+            torch.mm(blk.t(), xg, out=dw[v0:v1])
+        else:
+            dw[v0:v1].addmm_(blk.t(), xg)
+
+
 def _finish_block(x_c, w, t_c, g1_c, inv_temp, dw, need_dx, xs, dxa, rho):
     """One-hot terms (+ g1 W[t] to dX, + g1 x to dW rows t), the row scale on dX, the 1/T."""
     if g1_c is not None and dw is not None:
@@ -314,13 +325,7 @@ def _direct_backward(x_c, w, t_c, g1_c, inv_temp, dw, first, need_dx, rho, beta,
         else:                                                           # e^s (beta + gamma s)
             eb = torch.exp(zb, out=_block_view(ebuf, r, v1 - v0))
             blk = zb.mul_(gamma.view(-1, 1)).add_(beta.view(-1, 1)).mul_(eb)
-        if need_dx:
-            dxa.addmm_(blk, wb)
-        if dw is not None:
-            if first:
-                torch.mm(blk.t(), xg, out=dw[v0:v1])
-            else:
-                dw[v0:v1].addmm_(blk.t(), xg)
+        _accumulate(blk, wb, xg, dxa, dw, v0, v1, first)
     return _finish_block(x_c, w, t_c, g1_c, inv_temp, dw, need_dx, xs, dxa, rho)
 
 
@@ -349,11 +354,5 @@ def _shifted_backward(x_c, w, t_c, g1_c, inv_temp, dw, first, need_dx, lse_c, a_
         else:
             p = torch.exp(zb, out=_block_view(ebuf, r, v1 - v0))
             blk = zb.mul_(-gamma.view(-1, 1)).sub_(a_c.view(-1, 1)).mul_(p)
-        if need_dx:
-            dxa.addmm_(blk, wb[:, :h])
-        if dw is not None:
-            if first:
-                torch.mm(blk.t(), xg, out=dw[v0:v1])
-            else:
-                dw[v0:v1].addmm_(blk.t(), xg)
+        _accumulate(blk, wb[:, :h], xg, dxa, dw, v0, v1, first)
     return _finish_block(x_c, w, t_c, g1_c, inv_temp, dw, need_dx, xs, dxa, rho)

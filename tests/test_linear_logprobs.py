@@ -203,6 +203,16 @@ def test_torch_vocab_block_overflow_and_underflow(monkeypatch, with_entropy):
     assert rel_err(xk.grad, xr.grad) <= GRAD_TOL and rel_err(wk.grad, wr.grad) <= GRAD_TOL
 
 
+def _spy_backward_paths(monkeypatch) -> list:
+    """Record which backward (direct / shifted) each row block of the torch backend takes."""
+    import fastrehearse.kernels._blocked as blocked
+    calls = []
+    for name in ("_direct_backward", "_shifted_backward"):
+        fn = getattr(blocked, name)
+        monkeypatch.setattr(blocked, name, lambda *a, _fn=fn, _n=name: calls.append(_n) or _fn(*a))
+    return calls
+
+
 @pytest.mark.parametrize("chunk_size", [None, 8])
 @pytest.mark.parametrize("with_entropy", [False, True])
 def test_torch_direct_and_shifted_rows_in_one_block(monkeypatch, with_entropy, chunk_size):
@@ -213,12 +223,10 @@ def test_torch_direct_and_shifted_rows_in_one_block(monkeypatch, with_entropy, c
     import fastrehearse.kernels._blocked as blocked
     import fastrehearse.kernels._common as common
     monkeypatch.setattr(common, "VOCAB_BLOCK_BYTES_CPU", 4 * 16 * 64)   # 16 rows -> 64 columns
-    seen, bwd = [], []
+    seen = []
     real = blocked._shifted_stats
     monkeypatch.setattr(blocked, "_shifted_stats", lambda x, *a: seen.append(x.shape[0]) or real(x, *a))
-    for name in ("_direct_backward", "_shifted_backward"):   # which backward each row block took
-        fn = getattr(blocked, name)
-        monkeypatch.setattr(blocked, name, lambda *a, _fn=fn, _n=name: bwd.append(_n) or _fn(*a))
+    bwd = _spy_backward_paths(monkeypatch)
     n, h, v = 16, 12, 333
     g = torch.Generator().manual_seed(5)
     x = torch.randn(n, h, generator=g)
@@ -256,11 +264,7 @@ def test_torch_direct_backward_guards(monkeypatch, case):
     # an upstream gradient so small that the scale would leave the normal fp32 range, or weight
     # entries so large that the dX accumulator could overflow, must send the block to the
     # shifted backward, with float64-exact results either way.
-    import fastrehearse.kernels._blocked as blocked
-    bwd = []
-    for name in ("_direct_backward", "_shifted_backward"):
-        fn = getattr(blocked, name)
-        monkeypatch.setattr(blocked, name, lambda *a, _fn=fn, _n=name: bwd.append(_n) or _fn(*a))
+    bwd = _spy_backward_paths(monkeypatch)
     n, h, v = 12, 8, 300
     g = torch.Generator().manual_seed(11)
     x = torch.randn(n, h, generator=g)
