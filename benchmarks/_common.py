@@ -193,6 +193,17 @@ def matmul_tflops(device, dtype=torch.float32, n: int | None = None, reps: int =
     return 2 * n ** 3 / (t["median_ms"] * 1e-3) / 1e12
 
 
+def successful(results: dict, names, skipped: dict):
+    """(name, result) for each method that ran; a failed one is printed and noted in `skipped`."""
+    for name in names:
+        res = results[name]
+        if "error" in res:
+            skipped[name] = f"failed: {res['error']}"
+            print(f"  {name}: {skipped[name]}")
+            continue
+        yield name, res
+
+
 def fmt_bytes(n) -> str:
     if n is None:
         return "n/a"

@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (plot_by_config, default_json, fmt_bytes, hardware, matmul_tflops,  # noqa: E402
-                     peak_extra_bytes, print_table, randn_on, time_fn, time_interleaved,
-                     write_json)
+                     peak_extra_bytes, print_table, randn_on, successful, time_fn,
+                     time_interleaved, write_json)
 
 from fastrehearse.kernels import linear_logprobs  # noqa: E402
 
@@ -62,41 +62,33 @@ def m_compile_chunked(x, w, t, mask, chunk=512):
     return run
 
 
-def m_torch_lce(x, w, t, mask, chunked=False):
-    import torch.nn.functional as F
-    opts = torch.nn.LinearCrossEntropyOptions() if chunked else None
+def _ce_peer(ce_fn, x, w, t, mask):
+    """A peer returning per-token cross entropy (reduction="none"): logp = -ce; masked -> -100."""
     tt = torch.where(mask, t, torch.full_like(t, -100))
 
     def run():
-        ce = F.linear_cross_entropy(x, w, tt, reduction="none", ignore_index=-100, options=opts)
-        lp = -ce.float()
+        lp = -ce_fn(x, w, tt, ignore_index=-100, reduction="none").float()
         lp.sum().backward()
         return lp.detach()
     return run
+
+
+def m_torch_lce(x, w, t, mask, chunked=False):
+    import functools
+
+    import torch.nn.functional as F
+    opts = torch.nn.LinearCrossEntropyOptions() if chunked else None
+    return _ce_peer(functools.partial(F.linear_cross_entropy, options=opts), x, w, t, mask)
 
 
 def m_liger(x, w, t, mask):
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-    tt = torch.where(mask, t, torch.full_like(t, -100))
-
-    def run():
-        ce = liger_fused_linear_cross_entropy(x, w, tt, ignore_index=-100, reduction="none")
-        lp = -ce.float()
-        lp.sum().backward()
-        return lp.detach()
-    return run
+    return _ce_peer(liger_fused_linear_cross_entropy, x, w, t, mask)
 
 
 def m_cce(x, w, t, mask):
     from cut_cross_entropy import linear_cross_entropy
-    tt = torch.where(mask, t, torch.full_like(t, -100))
-
-    def run():
-        ce = linear_cross_entropy(x, w, tt, ignore_index=-100, reduction="none")
-        lp = -ce.float()
-        lp.sum().backward()
-        return lp.detach()
-    return run
+    return _ce_peer(linear_cross_entropy, x, w, t, mask)
 
 
 def m_ours(backend):
@@ -281,12 +273,7 @@ def main(argv=None):
                 else:
                     results = {name: _sequential(name, f, x, w, t, mask, device, args.warmup,
                                                  reps) for name, f in todo}
-                for name, _ in todo:
-                    res = results[name]
-                    if "error" in res:
-                        skipped[name] = f"failed: {res['error']}"
-                        print(f"  {name}: {skipped[name]}")
-                        continue
+                for name, res in successful(results, [n for n, _ in todo], skipped):
                     lp, mem = res["lp"], res["peak_extra_bytes"]
                     if base_lp is None:
                         base_lp = lp

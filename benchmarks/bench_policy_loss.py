@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (plot_by_config, default_json, fmt_bytes, hardware, peak_extra_bytes,  # noqa: E402
-                     print_table, randn_on, time_fn, time_interleaved, write_json)
+                     print_table, randn_on, successful, time_fn, time_interleaved, write_json)
 
 from fastrehearse.kernels import PolicyLossConfig, Role, linear_policy_loss  # noqa: E402
 
@@ -178,12 +178,7 @@ def main(argv=None):
                         except Exception as e:  # a peer failing must not kill the benchmark
                             _reset(x, w)
                             results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                for name, _ in todo:
-                    res = results[name]
-                    if "error" in res:
-                        skipped[name] = f"failed: {res['error']}"
-                        print(f"  {name}: {skipped[name]}")
-                        continue
+                for name, res in successful(results, [n for n, _ in todo], skipped):
                     ms, mem = res["median_ms"], res["peak_extra_bytes"]
                     rows.append(dict(H=h, V=v, N=n, frac=frac, n_loss=n_loss, method=name,
                                      median_ms=round(ms, 2),
