@@ -134,6 +134,33 @@ def test_cli_gold_builtin(tmp_path, capsys):
     assert len((out / "items.jsonl").read_text().splitlines()) == 12
 
 
+def test_builtin_easy_answer_category_checks_the_final_answer(tmp_path):
+    """test:easy:task grades the spelled-out call only; test:easy:task:answer also needs the tool's
+    result in the final answer (what an API-drift row needs to see a misread response)."""
+    from fastrehearse.eval import suites
+
+    class VagueAnswer(GoldPolicy):
+        name = "vague"
+
+        def act(self, states):
+            out = super().act(states)
+            for msg in out:
+                if not msg.get("tool_calls"):
+                    msg["content"] = "I called the tool for you."
+            return out
+
+    cats = ["test:easy:task", "test:easy:task:answer"]
+    sr = suites.build("builtin", cats, limit=6)
+    assert [c for c, _ in sr.items] == [cats[0]] * 6 + [cats[1]] * 6
+    for policy, want in ((GoldPolicy(), {cats[0]: 1.0, cats[1]: 1.0}), (VagueAnswer(), {cats[0]: 1.0, cats[1]: 0.0})):
+        done = run_items(sr.items, sr.make_env, policy, ResultStore(tmp_path / policy.name, {}),
+                         HarnessConfig(batch_size=4))
+        got = {c: [r.score for r in done if r.category == c] for c in cats}
+        assert got == {c: [want[c]] * 6 for c in cats}, (policy.name, got)
+    with pytest.raises(ValueError, match="split\\[:level"):
+        suites.build("builtin", ["test:easy:task:bogus"], limit=1)
+
+
 def test_cli_rejects_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="--rehearsal-budget"):
         cli.main(["--suite", "builtin", "--policy", "gold", "--rehearsal-budget", "2", "--out", str(tmp_path)])

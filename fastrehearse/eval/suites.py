@@ -1,8 +1,9 @@
 """What `--suite` means for the harness: the items to run, an environment factory per category, and
 how many policy turns each category allows.
 
-  builtin  categories are split[:level[:tools]] of the builtin suite (default: test = mixed levels;
-           test:easy:task = the demo preset's task distribution)
+  builtin  categories are split[:level[:tools[:answer]]] of the builtin suite (default: test = mixed
+           levels; test:easy:task = the demo preset's task distribution, graded on the call; with
+           :answer the final answer must also state the tool's result)
   bfcl     single-turn AST categories through fastrehearse.eval.bfcl_single (one turn, no real
            execution: the calls are graded by BFCL's ast_checker); multi-turn categories through the
            real BFCL environment (fastrehearse.envs.bfcl), user turns fed one at a time
@@ -59,12 +60,16 @@ def build(suite: str, categories: list[str] | None, limit: int | None, max_steps
     items: list[tuple[str, Task]] = []
 
     if suite == "builtin":
-        for c in cats:   # "split[:level[:tools]]", e.g. "test", "test:easy:task" (the demo's tasks)
-            split, level, tools = (c.split(":") + ["mixed", "auto"])[:3]
-            if split not in ("train", "test") or c.count(":") > 2:
-                raise ValueError(f"--categories for builtin are split[:level[:tools]] with split train "
-                                 f"or test (e.g. test, test:easy:task), got {c!r}")
-            suites[c] = _get_suite("builtin", level=level, tools=tools)
+        for c in cats:   # "split[:level[:tools[:answer]]]", e.g. "test", "test:easy:task" (the demo's tasks)
+            parts = c.split(":")
+            split, level, tools, answer = parts[:1] + (parts[1:] + ["mixed", "auto", ""][len(parts) - 1:])[:3]
+            if split not in ("train", "test") or c.count(":") > 3 or answer not in ("", "answer"):
+                raise ValueError(f"--categories for builtin are split[:level[:tools[:answer]]] with split "
+                                 f"train or test (e.g. test, test:easy:task, test:easy:task:answer), got {c!r}")
+            # ":answer": EASY tasks also require the final answer to state the tool's result (levels
+            # 1-3 always check the answer); without it EASY success = the spelled-out call was made.
+            opts = {"easy_answer": True} if answer else {}
+            suites[c] = _get_suite("builtin", level=level, tools=tools, **opts)
             items += [(c, t) for t in suites[c].tasks(split, limit)]
     elif suite == "bfcl":
         bad = [c for c in cats if c not in BFCL_SINGLE + BFCL_MULTI]
