@@ -1,22 +1,32 @@
-"""Eval report: the untrained SmolLM2-135M base (and the demo-trained checkpoint when one exists) on
-builtin-test, BFCL v4 (all 12 listed categories) and tau2 telecom (solo), with and without test-time
-rehearsal, plus an API-drift row with world-model fidelity.
+"""Eval report: the untrained SmolLM2-135M base and the demo-trained checkpoints (rehearse-only and
+hybrid-trained, when their exports exist) on builtin-test, builtin EASY (the demo's task
+distribution), BFCL v4 (all 12 listed categories) and tau2 telecom (solo), with and without
+test-time rehearsal (N in {0, 1, 2, 4} on builtin EASY), plus API-drift rows with world-model
+fidelity for the trained models.
 
-    python benchmarks/bench_eval.py                       # sized for a 2-core CPU, ~15 minutes
-    python benchmarks/bench_eval.py --limit-builtin 50 --limit-bfcl 20 --limit-tau2 20 --budget-s 0
+    python benchmarks/bench_eval.py                                    # the committed CPU report
+    python benchmarks/bench_eval.py --models smollm2 --jobs builtin-easy-r0 --limit-easy 4
+    python benchmarks/bench_eval.py --models base=smollm2,mine=runs/x/export --budget-s 0
 
-Every run is a `fastrehearse eval` run directory under --runs (resumable: rerunning the benchmark
-continues where it stopped). Runs go in priority order; once --budget-s seconds have passed, the
-remaining runs are listed as skipped instead of started. Sample sizes are tiny on a CPU: read the
-accuracies as a smoke check of the pipeline, not as model quality (n is in every row).
+Every run is a `fastrehearse eval` run directory under --runs/<model tag>/<job> (resumable:
+rerunning continues where it stopped; rerunning with larger limits runs only the new items). Runs go
+in job order, model by model within a job; once --budget-s seconds have passed the remaining runs
+are listed as skipped instead of started.
 
-Writes --json (all rows + per-category results), a markdown table next to it, and a PNG of
-accuracy / generated tokens against the rehearsal budget N.
+Model tags say what the model is: `smollm2-135m-base` (the embedded GGUF, untrained) and, for a
+trainer export, `smollm2-135m-demo-<rollout.mode>-trained` read from the run directory's
+config.yaml (e.g. rehearse-trained, hybrid-trained). `--models TAG=SPEC` names a model explicitly.
+
+Writes --json (all rows with per-category results, settings, hardware, load), a markdown report
+next to it (summary table by model, all rows, BFCL per category, drift/fidelity, rehearsal sweep;
+then the text of --notes if given) and a PNG (accuracy and token cost against rehearsal N; accuracy
+per row and model).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -29,53 +39,89 @@ from fastrehearse.eval import cli, report  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import cpu_model  # noqa: E402
 
-DEMO_CANDIDATES = ("runs/demo/export", "runs/demo/hf", "runs/demo/final", "runs/demo")
-
-
-def find_demo_checkpoint() -> str | None:
-    """The demo run's exported HF checkpoint, if the trainer produced one (config + safetensors)."""
-    for c in DEMO_CANDIDATES:
-        p = ROOT / c
-        if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
-            return str(p)
-    return None
-
-
-
+DEMO_RUNS = ("runs/demo", "runs/demo_hybrid")
+BASE_TAG = "smollm2-135m-base"
 
 SINGLE = "simple_python,multiple,parallel,parallel_multiple,live_simple,live_multiple,irrelevance,live_irrelevance"
 MULTI = "multi_turn_base,multi_turn_miss_func,multi_turn_miss_param,multi_turn_long_context"
-# (run name, suite, categories, rehearsal N, drift) in priority order: cheap, informative runs first.
-JOBS = [
-    ("builtin-r0", "builtin", None, 0, None),
-    ("builtin-easy-r0", "builtin", "test:easy:task", 0, None),
-    ("bfcl-single-r0", "bfcl", SINGLE, 0, None),
-    ("builtin-r1", "builtin", None, 1, None),
-    ("builtin-r2", "builtin", None, 2, None),
-    ("builtin-r4", "builtin", None, 4, None),
-    ("bfcl-single-r2", "bfcl", SINGLE, 2, None),
-    ("tau2-r0", "tau2", None, 0, None),
-    ("bfcl-multi-base-r0", "bfcl", "multi_turn_base", 0, None),
-    ("builtin-r0-drift", "builtin", None, 0, "all"),
-    ("bfcl-multi-r0", "bfcl", MULTI, 0, None),
-    ("bfcl-multi-r2", "bfcl", MULTI, 2, None),
-    ("tau2-r2", "tau2", None, 2, None),
-    ("builtin-easy-r2", "builtin", "test:easy:task", 2, None),
-]
+EASY = "test:easy:task"
+EASY_ANSWER = "test:easy:task:answer"   # EASY tasks, and the final answer must state the tool's result
+DRIFT = "rename,errors,units,formats"
+# name -> (suite, categories, rehearsal N, drift, limit key, measure fidelity, trained models only)
+# in run order: the cheap, informative runs first.
+JOBS = {
+    "builtin-easy-r0":       ("builtin", EASY, 0, None, "easy", True, False),
+    "builtin-easy-r0-drift": ("builtin", EASY, 0, DRIFT, "easy", True, True),
+    "builtin-easy-answer-r0":       ("builtin", EASY_ANSWER, 0, None, "easy", True, True),
+    "builtin-easy-answer-r0-drift": ("builtin", EASY_ANSWER, 0, DRIFT, "easy", True, True),
+    "builtin-r0":            ("builtin", None, 0, None, "builtin", False, False),
+    "bfcl-single-r0":        ("bfcl", SINGLE, 0, None, "bfcl", False, False),
+    "builtin-easy-r1":       ("builtin", EASY, 1, None, "easy", False, False),
+    "builtin-easy-r2":       ("builtin", EASY, 2, None, "easy", False, False),
+    "builtin-easy-r4":       ("builtin", EASY, 4, None, "easy", False, False),
+    "builtin-r2":            ("builtin", None, 2, None, "builtin", False, False),
+    "bfcl-single-r2":        ("bfcl", SINGLE, 2, None, "bfcl", False, False),
+    "bfcl-multi-r0":         ("bfcl", MULTI, 0, None, "bfcl_multi", False, False),
+    "tau2-r0":               ("tau2", None, 0, None, "tau2", False, False),
+    "bfcl-multi-r2":         ("bfcl", MULTI, 2, None, "bfcl_multi", False, False),
+    "tau2-r2":               ("tau2", None, 2, None, "tau2", False, False),
+}
+LABELS = {SINGLE: "bfcl single-turn (8 AST categories)", MULTI: "bfcl multi-turn (4 categories)",
+          EASY: "builtin test:easy (demo task distribution)",
+          EASY_ANSWER: "builtin test:easy + answer check"}
 
 
-def eval_args(a, model_spec: str, suite: str, cats: str | None, n: int, drift: str | None, out: Path,
-              time_left: float | None):
-    limit = {"builtin": a.limit_builtin, "bfcl": a.limit_bfcl, "tau2": a.limit_tau2}[suite]
+def model_tag(spec: str) -> str:
+    """A name that says what the model is (base, or a demo export and how it was trained)."""
+    if spec == "smollm2":
+        return BASE_TAG
+    p = Path(spec)
+    cfg = (ROOT / p if not p.is_absolute() else p).parent / "config.yaml"
+    if cfg.is_file():
+        import yaml
+        c = yaml.safe_load(cfg.read_text()) or {}
+        mode = (c.get("rollout") or {}).get("mode", "rehearse")
+        base = (c.get("model") or {}).get("spec", "model")
+        name = "smollm2-135m" if base == "smollm2" else Path(str(base)).name
+        suffix = "-demo" if Path(str(c.get("run_dir", ""))).name.startswith("demo") else ""
+        return f"{name}{suffix}-{mode}-trained"
+    return p.name if p.name != "export" else p.parent.name + "-export"
+
+
+def default_models() -> list[tuple[str, str]]:
+    out = [(BASE_TAG, "smollm2")]
+    for run in DEMO_RUNS:
+        p = ROOT / run / "export"
+        if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
+            spec = str(p.relative_to(ROOT))
+            out.append((model_tag(spec), spec))
+    return out
+
+
+def parse_models(text: str | None) -> list[tuple[str, str]]:
+    if not text:
+        return default_models()
+    out = []
+    for item in text.split(","):
+        tag, _, spec = item.rpartition("=")
+        out.append((tag or model_tag(spec), spec))
+    return out
+
+
+def eval_args(a, spec: str, job: tuple, out: Path, time_left: float | None):
+    suite, cats, n, drift, limit_key, fidelity, _ = job
+    limit = getattr(a, f"limit_{limit_key}")
     steps = {"builtin": a.steps_builtin, "bfcl": a.steps_bfcl, "tau2": a.steps_tau2}[suite]
-    argv = ["--suite", suite, "--policy", model_spec, "--limit", str(limit), "--max-steps", str(steps),
-            "--max-new-tokens", str(a.max_new_tokens), "--max-response-tokens", str(a.max_response_tokens),
+    argv = ["--suite", suite, "--policy", spec, "--limit", str(limit), "--max-steps", str(steps),
+            "--max-new-tokens", str(a.max_new_tokens_bfcl if suite == "bfcl" else a.max_new_tokens), "--max-response-tokens", str(a.max_response_tokens),
             "--batch-size", str(a.batch_size), "--prefill-batch-cells", str(a.prefill_batch_cells),
             "--rehearsal-budget", str(n), "--rehearsal-mode", a.mode, "--out", str(out), "--quiet"]
     if cats:
         argv += ["--categories", cats]
     if drift:
         argv += ["--drift", drift]
+    if fidelity:
+        argv += ["--measure-fidelity"]
     if suite == "tau2" and a.tau2_prompt_tokens:
         argv += ["--max-prompt-tokens", str(a.tau2_prompt_tokens)]
     if time_left is not None:
@@ -83,98 +129,298 @@ def eval_args(a, model_spec: str, suite: str, cats: str | None, n: int, drift: s
     return cli.build_parser().parse_args(argv)
 
 
+def record_invocation(out: Path, load: tuple[float, float], wall: float, ran: bool) -> None:
+    """Append this invocation's 1-minute load average (start, end) to OUT/bench_invocations.json, so a
+    report rebuilt later (--report-only) still states the load each run saw."""
+    if not ran:
+        return
+    path = out / "bench_invocations.json"
+    old = json.loads(path.read_text()) if path.is_file() else []
+    old.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "load_1m_start": load[0], "load_1m_end": load[1],
+                "wall_s": wall})
+    path.write_text(json.dumps(old, indent=1))
+
+
+def load_range(out: Path) -> tuple:
+    path = out / "bench_invocations.json"
+    if not path.is_file():
+        return ()
+    xs = [v for d in json.loads(path.read_text()) for v in (d["load_1m_start"], d["load_1m_end"])]
+    return (min(xs), max(xs)) if xs else ()
+
+
+def row_from(tag: str, job_name: str, job: tuple, res: dict, out: Path) -> dict:
+    suite, cats, n, drift, *_ = job
+    label = LABELS.get(cats, suite + (f" {cats}" if cats else (" test (mixed levels)" if suite == "builtin"
+                                                              else " telecom (solo)" if suite == "tau2" else "")))
+    items = [json.loads(x) for x in (out / "items.jsonl").read_text().splitlines() if x.strip().endswith("}")]
+    fid = [c["fidelity"] for c in res["categories"].values() if c.get("fidelity")]
+    return {
+        "model": tag, "job": job_name, "suite": label + (f" [drift {res['drift']}]" if res["drift"] else ""),
+        "rehearsal": n, "n": res["n"], "overall": res["overall"],
+        "passed": sum(c["accuracy"] * c["n"] for c in res["categories"].values()),
+        "bfcl_overall_strict": res.get("bfcl_overall_strict"),
+        "gen_tokens": res["tokens"]["gen_per_item"], "rehearsal_tokens": res["tokens"]["rehearsal_per_item"],
+        "prompt_tokens": res["tokens"]["prompt_per_item"],
+        "real_calls": (sum(c["mean_real_calls"] * c["n"] for c in res["categories"].values()) / res["n"]
+                       if res["n"] else 0.0),
+        "errors": sum(c["errors"] for c in res["categories"].values()),
+        "seconds": res.get("wall_s_total") or 0.0,
+        "items_in_dir": len(items),
+        "run_dir": str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out),
+        "categories": res["categories"], "drift": res["drift"],
+        "fidelity": fid[0] if len(fid) == 1 else (_merge_fid(res["categories"]) if fid else None),
+        "load_avg_1m": load_range(out),
+    }
+
+
+def _merge_fid(cats: dict) -> dict:
+    fs = [(c["fidelity"], c["fidelity"].get("n_items", 1)) for c in cats.values() if c.get("fidelity")]
+    tot = sum(w for _, w in fs)
+    keys = {k for f, _ in fs for k in f if k != "n_items"}
+    out = {k: sum(f.get(k, 0.0) * w for f, w in fs) / tot for k in keys}
+    out["n_items"] = tot
+    return out
+
+
+# ------------------------------------------------------------------ markdown
+def _pct(x):
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def summary_table(rows: list[dict], tags: list[str]) -> str:
+    """One line per job, one column per model: accuracy % (passed/n) and generated tok/item."""
+    jobs = list(dict.fromkeys(r["job"] for r in rows))
+    by = {(r["model"], r["job"]): r for r in rows}
+    head = "| row | rehearsal N | " + " | ".join(tags) + " |"
+    lines = [head, "|---|---:|" + "---:|" * len(tags)]
+    for j in jobs:
+        any_r = next(r for r in rows if r["job"] == j)
+        cells = []
+        for t in tags:
+            r = by.get((t, j))
+            if r is None:
+                cells.append("not run")
+                continue
+            acc = _pct(r["overall"])
+            if r["suite"].startswith("bfcl"):
+                cells.append(f"{acc} ({r['passed']:.0f}/{r['n']} items)")
+            else:
+                cells.append(f"{acc} ({r['passed']:.0f}/{r['n']})")
+        lines.append(f"| {any_r['suite']} | {any_r['rehearsal']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def all_rows_table(rows: list[dict]) -> str:
+    lines = ["| model | row | N | n | accuracy (%) | committed tok/item | rehearsal tok/item | "
+             "prompt tok/item | real calls/item | errors | wall s | load 1m (min-max) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        la = r.get("load_avg_1m") or ()
+        lines.append(f"| {r['model']} | {r['suite']} | {r['rehearsal']} | {r['n']} | {_pct(r['overall'])} | "
+                     f"{r['gen_tokens']:.0f} | {r['rehearsal_tokens']:.0f} | {r['prompt_tokens']:.0f} | "
+                     f"{r['real_calls']:.2f} | {r['errors']} | {r['seconds']:.0f} | "
+                     + ("-".join(f"{x:.1f}" for x in la) if la else "-") + " |")
+    return "\n".join(lines) + "\n"
+
+
+def bfcl_table(rows: list[dict]) -> str:
+    brows = [r for r in rows if r["suite"].startswith("bfcl")]
+    if not brows:
+        return ""
+    cats = [c for c in (SINGLE + "," + MULTI).split(",") if any(c in r["categories"] for r in brows)]
+    lines = ["| model | N | " + " | ".join(cats) + " | overall (BFCL formula, groups run) | strict (missing = 0) |",
+             "|---|---:|" + "---:|" * (len(cats) + 2)]
+    keyed: dict = {}
+    for r in brows:
+        k = (r["model"], r["rehearsal"])
+        keyed.setdefault(k, {"cats": {}, "ov": [], "strict": []})
+        keyed[k]["cats"].update(r["categories"])
+    # overall over single + multi together: recompute with BFCL's helpers on the merged categories
+    from fastrehearse.eval import aggregate
+    for (m, n), d in keyed.items():
+        agg = aggregate.bfcl_overall(d["cats"])
+        cells = [(f"{100 * d['cats'][c]['accuracy']:.0f} ({d['cats'][c]['n']})" if c in d["cats"] else "-")
+                 for c in cats]
+        lines.append(f"| {m} | {n} | " + " | ".join(cells) + f" | {_pct(agg['overall'])} | "
+                     f"{_pct(agg['bfcl_overall_strict'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def fidelity_table(rows: list[dict]) -> str:
+    frows = [r for r in rows if r["fidelity"]]
+    if not frows:
+        return ""
+    lines = ["| model | row | n tasks | task success (%) | real calls/item | rehearsed calls compared | "
+             "fidelity exact (%) | fidelity field F1 (%) |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in frows:
+        f = r["fidelity"]
+        calls = sum(c.get("fidelity", {}).get("calls", 0) * c.get("fidelity", {}).get("n_items", 0)
+                    for c in r["categories"].values())
+        lines.append(f"| {r['model']} | {r['suite']} | {r['n']} | {_pct(r['overall'])} | {r['real_calls']:.2f} | "
+                     f"{calls:.0f} | {_pct(f.get('exact'))} | {_pct(f.get('field_f1'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], tags: list[str], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [1, 1, 1.6]})
+    sweep_suites = [s for s in dict.fromkeys(r["suite"] for r in rows if not r["drift"])
+                    if len({r["rehearsal"] for r in rows if r["suite"] == s}) >= 3]
+    for s in sweep_suites:
+        for t in tags:
+            rs = sorted((r for r in rows if r["suite"] == s and r["model"] == t), key=lambda r: r["rehearsal"])
+            if not rs:
+                continue
+            ns = [r["rehearsal"] for r in rs]
+            a1.plot(ns, [100 * r["overall"] for r in rs], marker="o", label=t)
+            a2.plot(ns, [r["gen_tokens"] + r["rehearsal_tokens"] for r in rs], marker="o", label=t)
+    for a, yl in ((a1, "accuracy (%)"), (a2, "generated tokens / task (committed + rehearsal)")):
+        a.set_xlabel("test-time rehearsal budget N")
+        a.set_ylabel(yl, fontsize=8)
+        a.set_xticks([0, 1, 2, 4])
+    a1.set_title("builtin EASY: accuracy vs N", fontsize=9)
+    a2.set_title("builtin EASY: token cost vs N", fontsize=9)
+    a1.set_ylim(-3, 103)
+    a1.legend(fontsize=7)
+    jobs = [j for j in dict.fromkeys(r["job"] for r in rows)]
+    by = {(r["model"], r["job"]): r for r in rows}
+    w = 0.8 / max(1, len(tags))
+    for k, t in enumerate(tags):
+        xs = [i + (k - (len(tags) - 1) / 2) * w for i in range(len(jobs))]
+        ys = [100 * by[(t, j)]["overall"] if (t, j) in by else 0 for j in jobs]
+        a3.bar(xs, ys, w, label=t)
+    a3.set_xticks(range(len(jobs)), jobs, rotation=40, ha="right", fontsize=7)
+    a3.set_ylabel("accuracy (%)")
+    a3.set_ylim(0, 100)
+    a3.set_title("every row (n per row in the .md)", fontsize=9)
+    a3.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=None,
-                   help="comma-separated model specs (default: smollm2, plus the demo checkpoint if found)")
-    p.add_argument("--limit-builtin", type=int, default=2)
-    p.add_argument("--limit-bfcl", type=int, default=1, help="items per BFCL category (12 categories)")
-    p.add_argument("--limit-tau2", type=int, default=1)
-    p.add_argument("--steps-builtin", type=int, default=4)
-    p.add_argument("--steps-bfcl", type=int, default=1, help="policy turns per BFCL user turn")
-    p.add_argument("--steps-tau2", type=int, default=2)
-    p.add_argument("--jobs", default=None,
-                   help="comma-separated run names from JOBS, run in that order (default: all JOBS)")
+                   help="comma-separated [TAG=]SPEC (default: smollm2 plus runs/demo/export and "
+                        "runs/demo_hybrid/export when present)")
+    p.add_argument("--limit-builtin", type=int, default=24, help="builtin test (mixed levels) tasks")
+    p.add_argument("--limit-easy", type=int, default=32, help="builtin test:easy tasks")
+    p.add_argument("--limit-bfcl", type=int, default=4, help="items per BFCL single-turn category (8)")
+    p.add_argument("--limit-bfcl-multi", type=int, default=1, help="items per BFCL multi-turn category (4)")
+    p.add_argument("--limit-tau2", type=int, default=2)
+    p.add_argument("--steps-builtin", type=int, default=6, help="policy turns per builtin task")
+    p.add_argument("--steps-bfcl", type=int, default=3, help="policy turns per BFCL user turn")
+    p.add_argument("--steps-tau2", type=int, default=4)
+    p.add_argument("--jobs", default=None, help=f"comma-separated job names, run in that order; known: {list(JOBS)}")
     p.add_argument("--tau2-prompt-tokens", type=int, default=0,
                    help="cap tau2's ~11k-token prompt (head + latest tokens kept); 0: the model's context")
     p.add_argument("--mode", default="parallel", choices=("parallel", "sequential"))
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="per assistant turn (builtin, tau2)")
+    p.add_argument("--max-new-tokens-bfcl", type=int, default=128,
+                   help="per assistant turn on BFCL (gold parallel calls are 60-120 tokens)")
     p.add_argument("--max-response-tokens", type=int, default=48)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--prefill-batch-cells", type=int, default=1,
                    help="1: every prompt decoded alone with KV prefix reuse (fastest on CPU here)")
-    p.add_argument("--budget-s", type=float, default=900, help="stop starting runs after this (0: no limit)")
+    p.add_argument("--budget-s", type=float, default=0, help="stop starting runs after this (0: no limit)")
     p.add_argument("--runs", default="benchmarks/results/eval_runs")
     p.add_argument("--json", default="benchmarks/results/eval_smollm2.json")
+    p.add_argument("--notes", default=None, help="markdown file appended to the report (caveats)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (1: robust on a shared box, and about as fast for 135M here)")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing new: rebuild the report from finished items of every selected run")
     a = p.parse_args()
-    by_name = {j[0]: j for j in JOBS}
-    if a.jobs:
-        bad = [n for n in a.jobs.split(",") if n not in by_name]
-        if bad:
-            raise ValueError(f"--jobs: unknown run(s) {bad}; known: {list(by_name)}")
-    jobs = [by_name[n] for n in a.jobs.split(",")] if a.jobs else JOBS   # --jobs order = run order
+    names = a.jobs.split(",") if a.jobs else list(JOBS)
+    bad = [n for n in names if n not in JOBS]
+    if bad:
+        raise ValueError(f"--jobs: unknown run(s) {bad}; known: {list(JOBS)}")
 
     import torch
 
     from fastrehearse.model import load_model
 
-    models = a.models.split(",") if a.models else ["smollm2"] + ([find_demo_checkpoint()] if find_demo_checkpoint() else [])
+    if a.threads:
+        torch.set_num_threads(a.threads)
+
+    models = parse_models(a.models)
+    tags = [t for t, _ in models]
     t_start = time.perf_counter()
     rows, skipped = [], []
-    for spec in models:
-        tag = "smollm2-135m-base" if spec == "smollm2" else ("demo-" + Path(spec).name if "demo" in spec else Path(spec).name)
-        loaded = None
-        for name, suite, cats, n, drift in jobs:
+    loaded: dict[str, object] = {}
+    for name in names:
+        job = JOBS[name]
+        for tag, spec in models:
+            if job[6] and tag == BASE_TAG:
+                continue               # drift / answer rows: trained models only (the base makes no calls)
             out = ROOT / a.runs / tag / name
             left = None if not a.budget_s else a.budget_s - (time.perf_counter() - t_start)
+            if a.report_only:
+                if not (out / "results.json").is_file():
+                    skipped.append({"model": tag, "run": name})
+                    continue
+                res = json.loads((out / "results.json").read_text())
+                rows.append(row_from(tag, name, job, res, out))
+                continue
             if left is not None and left <= 0:
                 skipped.append({"model": tag, "run": name})
                 continue
-            if loaded is None:
-                loaded = load_model(spec)
+            if spec not in loaded:
+                loaded.clear()          # one model in memory at a time
+                loaded[spec] = load_model(spec)
+            load0 = os.getloadavg()[0]
             t0 = time.perf_counter()
-            res = cli.run(eval_args(a, spec, suite, cats, n, drift, out, left), loaded)
+            res = cli.run(eval_args(a, spec, job, out, left), loaded[spec])
             wall = time.perf_counter() - t0
-            fid = [c.get("fidelity") for c in res["categories"].values() if c.get("fidelity")]
-            label = suite + (" single-turn" if cats == SINGLE else " multi-turn" if cats == MULTI
-                             else f" {cats}" if cats else "")
-            row = {"model": tag, "suite": label + (f" (drift {res['drift']})" if res["drift"] else ""),
-                   "rehearsal": n, "n": res["n"], "overall": res["overall"],
-                   "bfcl_overall_strict": res.get("bfcl_overall_strict"),
-                   "gen_tokens": res["tokens"]["gen_per_item"], "rehearsal_tokens": res["tokens"]["rehearsal_per_item"],
-                   "seconds": res.get("wall_s_total") or wall, "run_dir": str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out), "categories": res["categories"],
-                   "fidelity": fid[0] if fid else None}
-            rows.append(row)
+            record_invocation(out, (load0, os.getloadavg()[0]), wall, res.get("items_run_last_invocation", 0) > 0)
+            rows.append(row_from(tag, name, job, res, out))
             print(f"[{time.perf_counter() - t_start:6.0f}s] {tag} {name}: acc={res['overall']:.3f} n={res['n']} "
-                  f"({wall:.0f}s)", flush=True)
+                  f"({wall:.0f}s, load {load0:.1f}->{os.getloadavg()[0]:.1f})", flush=True)
     total = time.perf_counter() - t_start
-    meta = {"hardware": {"cpu": cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                         "python": platform.python_version()},
+    meta = {"hardware": {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+                         "threads": torch.get_num_threads(), "python": platform.python_version()},
             "settings": {k: v for k, v in vars(a).items() if k not in ("models",)},
-            "models": models, "total_wall_s": total, "skipped_runs": skipped,
-            "not_selected": [j[0] for j in JOBS if j not in jobs]}
+            "models": dict(models), "wall_s_this_invocation": total,
+            "wall_s_runs_total": sum(r["seconds"] for r in rows), "skipped_runs": skipped,
+            "not_selected": [j for j in JOBS if j not in names]}
     out_json = ROOT / a.json
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    md = (f"Eval report ({', '.join(models)}; CPU: {meta['hardware']['cpu']}, torch {torch.__version__}, "
-          f"{total:.0f} s wall)\n\n" + report.comparison_markdown(rows))
-    fid_rows = [r for r in rows if r["fidelity"]]
-    if fid_rows:
-        md += "\nWorld-model fidelity (rehearsed vs real response of each real call):\n\n"
-        md += "| model | run | calls | exact (%) | field F1 (%) |\n|---|---|---:|---:|---:|\n"
-        for r in fid_rows:
-            f = r["fidelity"]
-            md += (f"| {r['model']} | {r['suite']} | {f.get('n_items', 0):.0f} items | {100 * f.get('exact', 0):.1f} | "
-                   f"{100 * f.get('field_f1', 0):.1f} |\n")
+    md = [f"# Eval report: SmolLM2-135M, untrained base vs demo-trained checkpoints (CPU)\n",
+          f"Models: " + "; ".join(f"`{t}` = `{s}`" for t, s in models) + ".  ",
+          f"Hardware: {meta['hardware']['cpu']} ({os.cpu_count()} cores), torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, fp32, greedy. Sum of run wall times: "
+          f"{meta['wall_s_runs_total']:.0f} s.\n",
+          "## Summary: accuracy % (passed / n) per row and model\n", summary_table(rows, tags)]
+    ft = fidelity_table(rows)
+    if ft:
+        md += ["\n## API drift and world-model fidelity (builtin EASY; every real call also rehearsed and "
+               "compared with the real, possibly drifted, response)\n", ft]
+    bt = bfcl_table(rows)
+    if bt:
+        md += ["\n## BFCL per category: accuracy % (n)\n", bt]
+    md += ["\n## All rows (token columns per task; wall s summed over invocations)\n", all_rows_table(rows)]
     if meta["not_selected"]:
-        md += "\nNot run (not selected, CPU time): " + ", ".join(meta["not_selected"]) + "\n"
+        md.append("\nNot run (not selected): " + ", ".join(meta["not_selected"]) + "\n")
     if skipped:
-        md += f"\nSkipped (time budget {a.budget_s:.0f} s): " + ", ".join(f"{s['model']}/{s['run']}" for s in skipped) + "\n"
-    out_json.with_suffix(".md").write_text(md)
-    sweep = [r for r in rows if "drift" not in r["suite"]]
-    if sweep:
-        report.plot_rehearsal_sweep(sweep, out_json.with_suffix(".png"))
-    print(md)
+        by_model: dict[str, list[str]] = {}
+        for s in skipped:
+            by_model.setdefault(s["model"], []).append(s["run"])
+        md.append(("\nNot run (CPU time; no finished run directory):\n" if a.report_only else
+                   "\nSkipped (time budget):\n")
+                  + "".join(f"- {m}: {', '.join(r)}\n" for m, r in by_model.items()))
+    if a.notes:
+        md.append("\n" + (ROOT / a.notes).read_text())
+    text = "\n".join(md)
+    out_json.with_suffix(".md").write_text(text)
+    if rows:
+        plot(rows, tags, out_json.with_suffix(".png"))
+    print(text)
     return 0
 
 

@@ -199,6 +199,7 @@ def run(args: argparse.Namespace, loaded=None) -> dict[str, Any]:
     except (ValueError, OSError):
         before = 0.0
     res["wall_s_total"] = before + (res["wall_s_last_invocation"] if todo else 0.0)
+    res["items_run_last_invocation"] = todo
     store.write_results(res)
     report.write_run_report(res, args.out)
     if not args.quiet:
