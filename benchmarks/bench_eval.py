@@ -384,7 +384,10 @@ def main() -> int:
     total = time.perf_counter() - t_start
     meta = {"hardware": {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
                          "threads": torch.get_num_threads(), "python": platform.python_version()},
-            "settings": {k: v for k, v in vars(a).items() if k not in ("models",)},
+            "settings": {k: v for k, v in vars(a).items() if k != "models" and not (
+                a.report_only and k.startswith(("limit_", "steps_", "max_", "budget")))},
+            "per_run_configuration": ("<run_dir>/run.json: eval settings (its limit is the first invocation's); "
+                                      "<run_dir>/results.json: n and the last invocation's limit"),
             "models": dict(models), "wall_s_this_invocation": total,
             "wall_s_runs_total": sum(r["seconds"] for r in rows), "skipped_runs": skipped,
             "not_selected": [j for j in JOBS if j not in names]}
