@@ -69,7 +69,9 @@ def check_roles(ct, msgs, rendered, tool_roles):
         if m["role"] == "assistant":
             assert role == Role.ACT
             assert text in expected_forms(assistant_text(m))
-            assert "<|" not in text  # no scaffolding leaked into ACT
+            # no scaffolding leaked into ACT (unless the content itself has "<|": hypothesis
+            # generates such contents, and the check above already pins the text to the content)
+            assert "<|" not in text or "<|" in assistant_text(m)
         elif m["role"] == "tool":
             assert role == next(tool_iter)
             assert text in expected_forms(m["content"])
