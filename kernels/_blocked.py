@@ -89,6 +89,20 @@ def _merge(m, s, a, c, s_b, a_b):
     return mn, s_new, a_new
 
 
+def _scaled_rows(x: torch.Tensor, inv_temp: float) -> torch.Tensor:
+    """fp32 x / T (upcast first: x * (1/T) in bf16 would round); x itself when fp32 and T = 1."""
+    xs = x.float()
+    return xs * inv_temp if inv_temp != 1.0 else xs
+
+
+def _weight_blocks(w, bv: int, h: int):
+    """Yield (v0, v1, fp32 [v1 - v0, H] weight block): a view when w is fp32, else an upcast copy."""
+    buf = None if w.dtype == torch.float32 else torch.empty(bv, h, device=w.device, dtype=torch.float32)
+    for v0 in range(0, w.shape[0], bv):
+        v1 = min(w.shape[0], v0 + bv)
+        yield v0, v1, (w[v0:v1] if buf is None else buf[: v1 - v0].copy_(w[v0:v1]))
+
+
 def _block_view(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """A contiguous [rows, cols] view at the start of a flat preallocated buffer."""
     return buf[: rows * cols].view(rows, cols)
@@ -129,21 +143,15 @@ def blocked_stats(x, w, t, inv_temp: float, with_entropy: bool, rows: int):
 def _direct_stats(x_c, w, t_c, inv_temp: float, with_entropy: bool):
     """Shift-free forward of one row block: (logp, ent or None, lse, ok) with ok = rows to keep."""
     r, h = x_c.shape
-    v = w.shape[0]
     dev = x_c.device
-    xs = x_c.float()                               # upcast before scaling: x / T in bf16 rounds
-    if inv_temp != 1.0:
-        xs = xs * inv_temp
-    bv = vocab_block(r, v, dev)
+    xs = _scaled_rows(x_c, inv_temp)
+    bv = vocab_block(r, w.shape[0], dev)
     zbuf = torch.empty(r * bv, device=dev, dtype=torch.float32)
     ebuf = torch.empty_like(zbuf) if with_entropy else None
-    wbuf = None if w.dtype == torch.float32 else torch.empty(bv, h, device=dev, dtype=torch.float32)
     s_acc = torch.zeros(r, device=dev, dtype=torch.float32)
     a_acc = torch.zeros_like(s_acc) if with_entropy else None
     s_t = torch.zeros_like(s_acc)
-    for v0 in range(0, v, bv):
-        v1 = min(v, v0 + bv)
-        wb = w[v0:v1] if wbuf is None else wbuf[: v1 - v0].copy_(w[v0:v1])
+    for v0, v1, wb in _weight_blocks(w, bv, h):
         zb = torch.mm(xs, wb.t(), out=_block_view(zbuf, r, v1 - v0))   # s
         s_t = _gather_in_block(zb, t_c, v0, s_t)
         if with_entropy:
@@ -200,7 +208,6 @@ def _shifted_stats(x, w, t, inv_temp: float, with_entropy: bool):
                                 else a_acc[r_bad], m[r_bad] + cr, sr, ar)
             m, s_acc = m.index_copy(0, r_bad, mr), s_acc.index_copy(0, r_bad, sr)
             a_acc = None if a_acc is None else a_acc.index_copy(0, r_bad, ar)
-        del zb
     log_s = torch.log(s_acc)
     lse = m + log_s
     ent = log_s - a_acc / s_acc if with_entropy else None
@@ -226,7 +233,7 @@ def blocked_backward(x, w, t, lse, ent, g1, g2, inv_temp: float, rows: int, need
         else:   # -p (a + g2 log p) with log p = s - lse:  beta + gamma s = a - g2 lse + g2 s
             a_c = g2[s:e] * ent[s:e] + (0.0 if g1_c is None else g1_c)
             beta, gamma = a_c - g2[s:e] * lse[s:e], g2[s:e]
-        rho = _direct_row_scale(lse[s:e], g1_c, beta, gamma)
+        rho = _direct_row_scale(lse[s:e], g1_c, beta)
         if rho is not None and need_dx:   # dX accumulates sum_j e^s_j |w_j| (beta + gamma s_j)
             if log_wmax is None:
                 lo, hi = torch.aminmax(w)                 # one pass, no |w| copy
@@ -252,7 +259,7 @@ _LSE_DIRECT = 69.0
 _LOG_ACC_MAX = 80.0
 
 
-def _direct_row_scale(lse_c, g1_c, beta, gamma):
+def _direct_row_scale(lse_c, g1_c, beta):
     """Per-row scale rho (fp32 [R]) of the direct backward, or None when it is not safe."""
     if not bool((lse_c.abs() <= _LSE_DIRECT).all()):        # False for inf / NaN too
         return None
@@ -270,14 +277,6 @@ def _log_row_factor(beta, gamma) -> float:
         return 0.0
     bound = float((beta.abs() + gamma.abs() * 2 * _LSE_DIRECT).max())
     return math.log(max(bound, 1e-30))
-
-
-def _weight_blocks(w, bv: int, h: int):
-    """Yield (v0, v1, fp32 [v1 - v0, H] weight block): a view when w is fp32, else an upcast copy."""
-    buf = None if w.dtype == torch.float32 else torch.empty(bv, h, device=w.device, dtype=torch.float32)
-    for v0 in range(0, w.shape[0], bv):
-        v1 = min(w.shape[0], v0 + bv)
-        yield v0, v1, (w[v0:v1] if buf is None else buf[: v1 - v0].copy_(w[v0:v1]))
 
 
 def _accumulate(blk, wb, xg, dxa, dw, v0: int, v1: int, first: bool) -> None:
@@ -310,9 +309,7 @@ def _direct_backward(x_c, w, t_c, g1_c, inv_temp, dw, first, need_dx, rho, beta,
     """Backward of one row block with no shift in the GEMM (K = H); returns dX rows (fp32)."""
     r, h = x_c.shape
     dev = x_c.device
-    xs = x_c.float()
-    if inv_temp != 1.0:
-        xs = xs * inv_temp
+    xs = _scaled_rows(x_c, inv_temp)
     xg = xs * rho.view(-1, 1) if dw is not None else None
     dxa = torch.zeros(r, h, device=dev, dtype=torch.float32) if need_dx else None
     bv = vocab_block(r, w.shape[0], dev)
