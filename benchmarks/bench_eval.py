@@ -65,6 +65,13 @@ JOBS = {
     "tau2-r0":               ("tau2", None, 0, None, "tau2", False, False),
     "bfcl-multi-r2":         ("bfcl", MULTI, 2, None, "bfcl_multi", False, False),
     "tau2-r2":               ("tau2", None, 2, None, "tau2", False, False),
+    # test-time rehearsal with --rehearsal-commit select (no note in context; best of greedy + drafts)
+    "builtin-easy-s2":       ("builtin", EASY, 2, None, "easy", False, False, "select"),
+    "builtin-easy-s4":       ("builtin", EASY, 4, None, "easy", False, False, "select"),
+    "builtin-easy-answer-s2": ("builtin", EASY_ANSWER, 2, None, "easy", False, True, "select"),
+    "bfcl-single-s2":        ("bfcl", SINGLE, 2, None, "bfcl", False, False, "select"),
+    "bfcl-multi-s2":         ("bfcl", MULTI, 2, None, "bfcl_multi", False, False, "select"),
+    "tau2-s2":               ("tau2", None, 2, None, "tau2", False, False, "select"),
 }
 LABELS = {SINGLE: "bfcl single-turn (8 AST categories)", MULTI: "bfcl multi-turn (4 categories)",
           EASY: "builtin test:easy (demo task distribution)",
@@ -108,14 +115,20 @@ def parse_models(text: str | None) -> list[tuple[str, str]]:
     return out
 
 
+def job_commit(job: tuple) -> str:
+    """How a job's test-time rehearsal commits (the optional 8th field; default: note)."""
+    return job[7] if len(job) > 7 else "note"
+
+
 def eval_args(a, spec: str, job: tuple, out: Path, time_left: float | None):
-    suite, cats, n, drift, limit_key, fidelity, _ = job
+    suite, cats, n, drift, limit_key, fidelity = job[:6]
     limit = getattr(a, f"limit_{limit_key}")
     steps = {"builtin": a.steps_builtin, "bfcl": a.steps_bfcl, "tau2": a.steps_tau2}[suite]
     argv = ["--suite", suite, "--policy", spec, "--limit", str(limit), "--max-steps", str(steps),
             "--max-new-tokens", str(a.max_new_tokens_bfcl if suite == "bfcl" else a.max_new_tokens), "--max-response-tokens", str(a.max_response_tokens),
             "--batch-size", str(a.batch_size), "--prefill-batch-cells", str(a.prefill_batch_cells),
-            "--rehearsal-budget", str(n), "--rehearsal-mode", a.mode, "--out", str(out), "--quiet"]
+            "--rehearsal-budget", str(n), "--rehearsal-mode", a.mode,
+            "--rehearsal-commit", job_commit(job), "--out", str(out), "--quiet"]
     if cats:
         argv += ["--categories", cats]
     if drift:
@@ -157,7 +170,7 @@ def row_from(tag: str, job_name: str, job: tuple, res: dict, out: Path) -> dict:
     fid = [c["fidelity"] for c in res["categories"].values() if c.get("fidelity")]
     return {
         "model": tag, "job": job_name, "suite": label + (f" [drift {res['drift']}]" if res["drift"] else ""),
-        "rehearsal": n, "n": res["n"], "overall": res["overall"],
+        "rehearsal": n, "commit": job_commit(job), "n": res["n"], "overall": res["overall"],
         "passed": sum(c["accuracy"] * c["n"] for c in res["categories"].values()),
         "bfcl_overall_strict": res.get("bfcl_overall_strict"),
         "gen_tokens": res["tokens"]["gen_per_item"], "rehearsal_tokens": res["tokens"]["rehearsal_per_item"],
@@ -184,6 +197,11 @@ def _merge_fid(cats: dict) -> dict:
 
 
 # ------------------------------------------------------------------ markdown
+def _n(r: dict) -> str:
+    """Rehearsal budget N as shown in tables: '2' (note in context) or '2 select'."""
+    return f"{r['rehearsal']}" + (" select" if r.get("commit", "note") == "select" else "")
+
+
 def _pct(x):
     return "-" if x is None else f"{100 * x:.1f}"
 
@@ -207,7 +225,7 @@ def summary_table(rows: list[dict], tags: list[str]) -> str:
                 cells.append(f"{acc} ({r['passed']:.0f}/{r['n']} items)")
             else:
                 cells.append(f"{acc} ({r['passed']:.0f}/{r['n']})")
-        lines.append(f"| {any_r['suite']} | {any_r['rehearsal']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {any_r['suite']} | {_n(any_r)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -217,7 +235,7 @@ def all_rows_table(rows: list[dict]) -> str:
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         la = r.get("load_avg_1m") or ()
-        lines.append(f"| {r['model']} | {r['suite']} | {r['rehearsal']} | {r['n']} | {_pct(r['overall'])} | "
+        lines.append(f"| {r['model']} | {r['suite']} | {_n(r)} | {r['n']} | {_pct(r['overall'])} | "
                      f"{r['gen_tokens']:.0f} | {r['rehearsal_tokens']:.0f} | {r['prompt_tokens']:.0f} | "
                      f"{r['real_calls']:.2f} | {r['errors']} | {r['seconds']:.0f} | "
                      + ("-".join(f"{x:.1f}" for x in la) if la else "-") + " |")
@@ -233,7 +251,7 @@ def bfcl_table(rows: list[dict]) -> str:
              "|---|---:|" + "---:|" * (len(cats) + 2)]
     keyed: dict = {}
     for r in brows:
-        k = (r["model"], r["rehearsal"])
+        k = (r["model"], _n(r))
         keyed.setdefault(k, {"cats": {}, "ov": [], "strict": []})
         keyed[k]["cats"].update(r["categories"])
     # overall over single + multi together: recompute with BFCL's helpers on the merged categories
@@ -271,13 +289,18 @@ def plot(rows: list[dict], tags: list[str], path: Path) -> None:
     sweep_suites = [s for s in dict.fromkeys(r["suite"] for r in rows if not r["drift"])
                     if len({r["rehearsal"] for r in rows if r["suite"] == s}) >= 3]
     for s in sweep_suites:
-        for t in tags:
-            rs = sorted((r for r in rows if r["suite"] == s and r["model"] == t), key=lambda r: r["rehearsal"])
-            if not rs:
-                continue
-            ns = [r["rehearsal"] for r in rs]
-            a1.plot(ns, [100 * r["overall"] for r in rs], marker="o", label=t)
-            a2.plot(ns, [r["gen_tokens"] + r["rehearsal_tokens"] for r in rs], marker="o", label=t)
+        for k, t in enumerate(tags):
+            for commit, style in (("note", "-"), ("select", "--")):
+                # N = 0 (no rehearsal) starts both series
+                rs = sorted((r for r in rows if r["suite"] == s and r["model"] == t
+                             and (r["rehearsal"] == 0 or r.get("commit", "note") == commit)),
+                            key=lambda r: r["rehearsal"])
+                if len(rs) < 2:
+                    continue
+                ns = [r["rehearsal"] for r in rs]
+                kw = dict(marker="o", linestyle=style, color=f"C{k}", label=f"{t} ({commit})")
+                a1.plot(ns, [100 * r["overall"] for r in rs], **kw)
+                a2.plot(ns, [r["gen_tokens"] + r["rehearsal_tokens"] for r in rs], **kw)
     for a, yl in ((a1, "accuracy (%)"), (a2, "generated tokens / task (committed + rehearsal)")):
         a.set_xlabel("test-time rehearsal budget N")
         a.set_ylabel(yl, fontsize=8)

@@ -170,17 +170,19 @@ def test_cli_rejects_bad_arguments(tmp_path):
         cli.main(["--suite", "builtin", "--policy", "gold", "--categories", "dev", "--out", str(tmp_path)])
 
 
-def test_cli_tiny_model_builtin_with_rehearsal_and_drift(tmp_path):
+@pytest.mark.parametrize("commit", ["note", "select"])
+def test_cli_tiny_model_builtin_with_rehearsal_and_drift(tmp_path, commit):
     """A random tiny model end to end: scores near 0 are fine; no crash, valid results, tokens counted."""
     out = tmp_path / "tiny"
     assert cli.main(["--suite", "builtin", "--policy", "tiny-llama", "--limit", "2", "--max-steps", "2",
                      "--max-new-tokens", "12", "--max-response-tokens", "8", "--rehearsal-budget", "2",
-                     "--drift", "all", "--out", str(out), "--quiet"]) == 0
+                     "--rehearsal-commit", commit, "--drift", "all", "--out", str(out), "--quiet"]) == 0
     res = json.loads((out / "results.json").read_text())
     c = res["categories"]["test"]
     assert c["n"] == 2 and 0.0 <= c["accuracy"] <= 1.0
     assert c["mean_gen_tokens"] > 0 and c["mean_rehearsal_tokens"] > 0
     assert res["rehearsal"]["budget"] == 2 and res["drift"] == "rename,errors,units,formats"
+    assert res["rehearsal"]["commit"] == commit
 
 
 def test_prefix_cache_reuse_matches_fresh_decode():

@@ -118,3 +118,96 @@ def test_rehearsal_rejects_bad_settings(tiny):
         RehearsalPolicy(base, -1)
     with pytest.raises(ValueError, match="mode"):
         RehearsalPolicy(base, 1, "beam")
+
+
+class TwoFaced(ModelPolicy):
+    """Scripted decoder whose greedy turns (temperature 0) and sampled drafts (temperature > 0) differ:
+    `greedy` / `draft` give the call text for each ("{tool}" is the episode's first tool). Tool
+    prompts get `response`. Records (temperature, prompt text) of every assistant-turn decode."""
+
+    def __init__(self, model, tok, greedy, draft, response='{"ok": true}'):
+        super().__init__(model, tok, "two-faced", GenConfig(max_new_tokens=8, max_response_tokens=8))
+        self.greedy, self.draft, self.response = greedy, draft, response
+        self.turns = []
+
+    def generate(self, prompts, max_new_tokens, temperature, markers=None, keys=None):
+        out = []
+        for p in prompts:
+            text = self.tok.decode(p)
+            if text.endswith("<tool_response>\n"):
+                out.append((4, self.response))
+                continue
+            self.turns.append((temperature, text))
+            if "</tool_response>" in text:
+                out.append((2, "Done."))        # after one real response: answer
+                continue
+            tool = re.search(r'"name": "([a-z_]+)"', text).group(1)
+            out.append((6, (self.greedy if temperature == 0 else self.draft).replace("{tool}", tool)))
+        return out
+
+
+GOOD = '<tool_call>\n{"name": "{tool}", "arguments": {}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("greedy,draft,expect_draft", [
+    ('<tool_call>\n{"name": "no_such_tool", "arguments": {}}\n</tool_call>', GOOD, True),   # unknown tool
+    ('<tool_call>\n{"name": "{tool}", "arguments": {\n</tool_call>', GOOD, True),          # malformed
+    (GOOD, '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>', False),         # greedy fine
+    (GOOD, GOOD, False),                                                                   # tie: greedy
+])
+def test_rehearsal_select_commits_the_candidate_the_world_model_favours(tmp_path, tiny, greedy, draft,
+                                                                         expect_draft):
+    model, tok = tiny
+    base = TwoFaced(model, tok, greedy, draft)
+    policy = RehearsalPolicy(base, budget=2, commit="select")
+    suite = CountingSuite(level="easy", tools="task")
+    CountingSuite.executed = 0
+    tasks = suite.tasks("test", 2)
+    store = ResultStore(tmp_path, {})
+    done = run_items([("test", t) for t in tasks], lambda c: suite.make_env(), policy, store,
+                     HarnessConfig(batch_size=2, max_steps=3))
+    assert len(done) == 2 and all(r.error is None for r in done)
+    # one committed turn with a call per episode, then the answer: exactly one real call each
+    assert CountingSuite.executed == sum(r.real_calls for r in done)
+    assert policy.selected_drafts == (2 if expect_draft else 0)
+    # no note in context in select mode: every assistant-turn prompt is note-free
+    assert not any(NOTE_HEAD in t for _, t in base.turns)
+    # the committed turn was the greedy decode (temperature 0) and 2 drafts were sampled per turn
+    first_turns = [t for t in base.turns if "</tool_response>" not in t[1]]
+    assert sum(temp == 0 for temp, _ in first_turns) == 2 and sum(temp > 0 for temp, _ in first_turns) == 4
+    if expect_draft:   # the drafted good call went to the environment: the builtin tool answered
+        assert all(r.real_calls == 1 for r in done)
+
+
+def test_rehearsal_select_avoids_a_predicted_error(tmp_path, tiny):
+    """Greedy and drafts are all well-formed; the world model predicts an error for every call, so
+    all candidates tie at -1 and the greedy turn is kept (rehearsal never prefers a draft blindly)."""
+    model, tok = tiny
+    base = TwoFaced(model, tok, GOOD, GOOD, response='{"error": "order not found"}')
+    policy = RehearsalPolicy(base, budget=2, commit="select")
+    suite = BuiltinSuite(level="easy", tools="task")
+    store = ResultStore(tmp_path, {})
+    run_items([("test", t) for t in suite.tasks("test", 2)], lambda c: suite.make_env(),
+              policy, store, HarnessConfig(batch_size=2, max_steps=3))
+    assert policy.selected_drafts == 0
+
+
+def test_judge_and_error_detection():
+    from fastrehearse.eval.rehearsal import judge, looks_like_error
+    assert looks_like_error('{"error": "no such order"}') and looks_like_error("Error: bad arguments")
+    assert looks_like_error('{"error_message": "x"}') and looks_like_error("  error during execution")
+    assert not looks_like_error('{"status": "shipped"}') and not looks_like_error("The errors page")
+    assert not looks_like_error("[1, 2]") and not looks_like_error("")
+    call = {"type": "function", "function": {"name": "get_order", "arguments": {}}}
+    names = {"get_order"}
+    assert judge({"tool_calls": [call]}, ['{"status": "ok"}'], names) == 0
+    assert judge({"tool_calls": [call]}, ['{"error": "x"}'], names) == -1
+    assert judge({"tool_calls": [call, {"malformed": "bad json", "kind": "json"}]}, [], names) == -2
+    assert judge({"tool_calls": [{"function": {"name": "nope", "arguments": {}}}]}, ["{}"], names) == -2
+    assert judge({"content": "final answer"}, [], names) == 0
+
+
+def test_rehearsal_rejects_bad_commit(tiny):
+    model, tok = tiny
+    with pytest.raises(ValueError, match="commit"):
+        RehearsalPolicy(ModelPolicy(model, tok, "tiny"), 1, commit="vote")

@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rehearsal-budget", type=int, default=0,
                    help="test-time rehearsal: private rehearsals before each committed turn (0 = off)")
     p.add_argument("--rehearsal-mode", choices=("parallel", "sequential"), default="parallel")
+    p.add_argument("--rehearsal-commit", choices=("note", "select"), default="note",
+                   help="note: the rehearsals become a note in context before the committed turn; "
+                        "select: commit the greedy turn or a draft, whichever the world model "
+                        "predicts will not fail (see fastrehearse/eval/rehearsal.py)")
     p.add_argument("--rehearsal-horizon", type=int, default=1,
                    help="steps each private rehearsal looks ahead (policy turn + predicted responses)")
     p.add_argument("--drift", default=None, help="perturb real responses, e.g. 'rename,errors,units,"
@@ -91,7 +95,8 @@ def make_policy(args: argparse.Namespace, loaded=None):
     policy = ModelPolicy(model, tok, name=str(args.policy), gen=gen)
     if args.rehearsal_budget:
         from fastrehearse.eval.rehearsal import RehearsalPolicy
-        policy = RehearsalPolicy(policy, args.rehearsal_budget, args.rehearsal_mode, args.rehearsal_horizon)
+        policy = RehearsalPolicy(policy, args.rehearsal_budget, args.rehearsal_mode, args.rehearsal_horizon,
+                                 commit=args.rehearsal_commit)
     return policy
 
 
@@ -116,7 +121,7 @@ def summarize(args: argparse.Namespace, store: ResultStore, keys_in_order: list[
     n = len(items)
     res["n"] = n
     res["rehearsal"] = {"budget": args.rehearsal_budget, "mode": args.rehearsal_mode,
-                        "horizon": args.rehearsal_horizon}
+                        "horizon": args.rehearsal_horizon, "commit": args.rehearsal_commit}
     res["drift"] = drift.describe() if drift else None
     res["tokens"] = {
         "gen_per_item": sum(r.gen_tokens for r in items) / n if n else 0.0,
@@ -159,6 +164,7 @@ def run(args: argparse.Namespace, loaded=None) -> dict[str, Any]:
     sr = suites.build(args.suite, args.categories, args.limit, args.max_steps, args.seed)
     config = {"suite": args.suite, "policy": args.policy, "rehearsal_budget": args.rehearsal_budget,
               "rehearsal_mode": args.rehearsal_mode, "rehearsal_horizon": args.rehearsal_horizon,
+              **({"rehearsal_commit": args.rehearsal_commit} if args.rehearsal_commit != "note" else {}),
               "drift": drift.describe() if drift else None, "seed": args.seed,
               "max_steps": args.max_steps, "max_new_tokens": args.max_new_tokens,
               "max_response_tokens": args.max_response_tokens, "temperature": args.temperature,

@@ -9,6 +9,16 @@ committed turn), and the agent then commits one real turn, which the harness exe
   parallel:   N independent sampled drafts (temperature > 0), one batch of B*N generations.
   sequential: draft k sees drafts 1..k-1 (their calls and predicted responses) and revises.
 
+What is committed (`commit`):
+  note:   the rehearsals are condensed into a note in context and the agent decodes its committed turn
+          after reading it (the paper's form; a model never trained with notes may copy the note).
+  select: no note. The agent decodes its usual greedy turn, rehearses that turn's calls too, and
+          commits whichever candidate (greedy first, then the drafts) the world model judges best:
+          a malformed call or an unknown tool name is a sure failure (score -2), a call whose
+          predicted response is an error is a likely one (-1), anything else 0. Ties go to the
+          greedy turn, so `select` changes a turn only when rehearsal foresees a failure of the
+          greedy one and a draft without it. Model-predictive, best-of-(N+1) under the world model.
+
 Private rehearsals never reach the environment: this class holds no environment at all (the tests
 count `env.execute` calls to prove it). The note is rebuilt every turn and not kept in the
 trajectory, so context grows only by the committed turns.
@@ -26,6 +36,7 @@ from fastrehearse.eval.harness import EpisodeState, call_from_message
 from fastrehearse.eval.policies import ModelPolicy, episode_key, parse_turn
 
 MODES = ("parallel", "sequential")
+COMMITS = ("note", "select")
 NOTE_HEAD = ("Private rehearsal (simulated by you, nothing was executed). Use it to choose your next "
              "real step; the real tools may answer differently.")
 
@@ -37,11 +48,13 @@ class Draft:
 
 class RehearsalPolicy:
     def __init__(self, base: ModelPolicy, budget: int, mode: str = "parallel", horizon: int = 1,
-                 note_chars: int = 240):
+                 note_chars: int = 240, commit: str = "note"):
         if budget < 0:
             raise ValueError(f"rehearsal budget must be >= 0, got {budget}")
         if mode not in MODES:
             raise ValueError(f"rehearsal mode must be one of {MODES}, got {mode!r}")
+        if commit not in COMMITS:
+            raise ValueError(f"rehearsal commit must be one of {COMMITS}, got {commit!r}")
         if horizon < 1:
             raise ValueError(f"rehearsal horizon must be >= 1, got {horizon}")
         self.base = base
@@ -49,7 +62,9 @@ class RehearsalPolicy:
         self.mode = mode
         self.horizon = horizon
         self.note_chars = note_chars
-        self.name = f"{base.name}+rehearse{budget}{mode[0]}"
+        self.commit = commit
+        self.name = f"{base.name}+rehearse{budget}{mode[0]}" + ("-select" if commit == "select" else "")
+        self.selected_drafts = 0      # select: committed turns taken from a draft instead of greedy
 
     # the harness measures fidelity through the same world model
     def predict_responses(self, states, calls):
@@ -69,6 +84,8 @@ class RehearsalPolicy:
                          for k in range(len(states))]
                 for k, d in enumerate(self._rehearse(states, list(range(len(states))), notes)):
                     drafts[k].append(d)
+        if self.commit == "select":
+            return self._select(states, drafts)
         notes = [self._note(ds, revise=False) for ds in drafts]
         for st, note in zip(states, notes):
             st.scratch["rehearsal_note"] = note       # kept for inspection / logging only
@@ -98,7 +115,7 @@ class RehearsalPolicy:
                 st.prompt_tokens += len(p)
                 st.rehearsal_tokens += n
                 msg = parse_turn(text)
-                good = [tc for tc in msg.get("tool_calls") or [] if "malformed" not in tc]
+                good = _good_calls(msg)
                 msgs.append(msg)
                 calls.append([call_from_message(tc) for tc in good])
             with_calls = [j for j, c in enumerate(calls) if c]
@@ -123,12 +140,40 @@ class RehearsalPolicy:
             live = nxt
         return drafts
 
+    def _select(self, states: list[EpisodeState], drafts: list[list[Draft]]) -> list[dict]:
+        """Commit the best of {greedy turn, first step of each draft} as judged by the world model."""
+        greedy = self.base.act(states)             # what N = 0 would commit (committed tokens)
+        calls = [[call_from_message(tc) for tc in _good_calls(m)] for m in greedy]
+        with_calls = [k for k, c in enumerate(calls) if c]
+        preds, ptoks, gtoks = self.base.rehearse_calls(
+            [states[k].tools for k in with_calls],
+            [list(states[k].messages) + [_strip(greedy[k])] for k in with_calls],
+            [calls[k] for k in with_calls], keys=[episode_key(states[k]) for k in with_calls])
+        greedy_preds = {k: p for k, p in zip(with_calls, preds)}
+        for k, p, g in zip(with_calls, ptoks, gtoks):
+            states[k].prompt_tokens += p
+            states[k].rehearsal_tokens += g
+        out = []
+        for k, st in enumerate(states):
+            names = _tool_names(st.tools)
+            best, best_score = greedy[k], judge(greedy[k], greedy_preds.get(k, []), names)
+            for d in drafts[k]:
+                msg, pr = d.steps[0]
+                sc = judge(msg, pr, names)
+                if sc > best_score:
+                    best, best_score = msg, sc
+            if best is not greedy[k]:
+                self.selected_drafts += 1
+            st.scratch["rehearsal_select"] = {"score": best_score, "from_draft": best is not greedy[k]}
+            out.append(best)
+        return out
+
     def _note(self, drafts: list[Draft], revise: bool) -> str:
         lines = [NOTE_HEAD]
         for d_i, d in enumerate(drafts, 1):
             parts = []
             for msg, preds in d.steps:
-                good = [tc for tc in msg.get("tool_calls") or [] if "malformed" not in tc]
+                good = _good_calls(msg)
                 bad = len(msg.get("tool_calls") or []) - len(good)
                 for tc, pr in zip(good, preds):
                     parts.append(f"{_call_str(tc)} -> predicted: {_clip(pr, self.note_chars)}")
@@ -142,10 +187,51 @@ class RehearsalPolicy:
         return "\n".join(lines)
 
 
+def looks_like_error(response: str) -> bool:
+    """A (predicted) tool response that reports failure: text starting with "Error" (BFCL, tau2) or
+    a JSON object with an error key at the top (builtin: {"error": ...})."""
+    s = response.strip()
+    if s[:5].lower() == "error":
+        return True
+    try:
+        obj = json.loads(s)
+    except (json.JSONDecodeError, ValueError):
+        return False
+    return isinstance(obj, dict) and any("error" in str(k).lower() for k in obj)
+
+
+def judge(msg: dict, predicted: list[str], tool_names: set[str] | None) -> int:
+    """World-model judgement of one candidate turn: -2 a sure failure (malformed call, or a call to a
+    tool that does not exist), -1 a predicted error response, 0 otherwise (including a final answer:
+    rehearsal cannot tell a right answer from a wrong one, so it does not prefer calling)."""
+    tcs = msg.get("tool_calls") or []
+    if any("malformed" in tc for tc in tcs):
+        return -2
+    if tool_names and any(tc["function"]["name"] not in tool_names for tc in tcs):
+        return -2
+    if any(looks_like_error(p) for p in predicted):
+        return -1
+    return 0
+
+
+def _tool_names(tools: list[dict]) -> set[str]:
+    """Names of the episode's tools (OpenAI {"type": "function", "function": {...}} or bare schemas)."""
+    out = set()
+    for t in tools or []:
+        f = t.get("function", t) if isinstance(t, dict) else {}
+        if isinstance(f, dict) and f.get("name"):
+            out.add(str(f["name"]))
+    return out
+
+
+def _good_calls(msg: dict) -> list[dict]:
+    return [tc for tc in msg.get("tool_calls") or [] if "malformed" not in tc]
+
+
 def _strip(msg: dict) -> dict:
     out = dict(msg)
     if "tool_calls" in out:
-        out["tool_calls"] = [tc for tc in out["tool_calls"] if "malformed" not in tc]
+        out["tool_calls"] = _good_calls(out)
         if not out["tool_calls"]:
             out.pop("tool_calls")
     return out
