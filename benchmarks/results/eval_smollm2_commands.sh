@@ -34,11 +34,14 @@ RH=smollm2-135m-rl12-hybrid-trained=runs/rl12_hybrid/export
 # 6. N=2 on BFCL multi-turn and tau2 (note), base and demo; tau2 at N=0 and N=2 with 2 tasks
 $PY --models $B,$R --jobs tau2-r0,tau2-r2,bfcl-multi-r2 --limit-bfcl-multi 1 --limit-tau2 2 --json $SCRATCH
 # 7. test-time rehearsal with --rehearsal-commit select (no note): demo model and base
-$PY --models $R --jobs builtin-easy-s2,builtin-easy-s4,builtin-easy-answer-s2,bfcl-single-s2 --limit-easy 24 \
-    --limit-bfcl 2 --json $SCRATCH
+$PY --models $R --jobs builtin-easy-s2,builtin-easy-answer-s2 --limit-easy 24 --json $SCRATCH
+$PY --models $R --jobs bfcl-single-s2 --limit-bfcl 2 --json $SCRATCH
 $PY --models $B --jobs builtin-easy-s2 --limit-easy 8 --json $SCRATCH
-# 8. the longer RL runs: EASY clean / drifted / answer-checked, rehearsal note vs select, BFCL single-turn
-$PY --models $RR,$RH --jobs builtin-easy-r0,builtin-easy-r0-drift,builtin-easy-answer-r0,builtin-easy-answer-r0-drift,builtin-easy-r2,builtin-easy-s2,bfcl-single-r0 \
+# 8. the longer RL runs: EASY clean / drifted / answer-checked, rehearsal select, BFCL single-turn;
+#    the note form (N=2) for the rehearse-only one
+$PY --models $RR,$RH --jobs builtin-easy-r0,builtin-easy-r0-drift,builtin-easy-answer-r0,builtin-easy-answer-r0-drift,builtin-easy-s2,bfcl-single-r0 \
     --limit-easy 24 --limit-bfcl 4 --json $SCRATCH
+$PY --models $RR --jobs builtin-easy-r2 --limit-easy 24 --json $SCRATCH
+# Not run (CPU budget): builtin-easy-s4, bfcl-multi-s2, tau2-s2
 # 9. the report over every run directory (runs nothing new)
 $PY --models $B,$R,$H,$RR,$RH --report-only --notes benchmarks/results/eval_smollm2_notes.md
