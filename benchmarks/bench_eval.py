@@ -52,6 +52,9 @@ DRIFT = "rename,errors,units,formats"
 JOBS = {
     "builtin-easy-r0":       ("builtin", EASY, 0, None, "easy", True, False),
     "builtin-easy-r0-drift": ("builtin", EASY, 0, DRIFT, "easy", True, True),
+    # a removed tool: EASY tasks have one tool, so success is impossible by construction; the row
+    # measures what the model does instead and whether its world model predicts the unknown-tool error
+    "builtin-easy-r0-remove": ("builtin", EASY, 0, "remove", "easy", True, True),
     "builtin-easy-answer-r0":       ("builtin", EASY_ANSWER, 0, None, "easy", True, True),
     "builtin-easy-answer-r0-drift": ("builtin", EASY_ANSWER, 0, DRIFT, "easy", True, True),
     "builtin-r0":            ("builtin", None, 0, None, "builtin", False, False),
@@ -60,7 +63,9 @@ JOBS = {
     "builtin-easy-r2":       ("builtin", EASY, 2, None, "easy", False, False),
     "builtin-easy-r4":       ("builtin", EASY, 4, None, "easy", False, False),
     "builtin-r2":            ("builtin", None, 2, None, "builtin", False, False),
+    "bfcl-single-r1":        ("bfcl", SINGLE, 1, None, "bfcl", False, False),
     "bfcl-single-r2":        ("bfcl", SINGLE, 2, None, "bfcl", False, False),
+    "bfcl-single-r4":        ("bfcl", SINGLE, 4, None, "bfcl", False, False),
     "bfcl-multi-r0":         ("bfcl", MULTI, 0, None, "bfcl_multi", False, False),
     "tau2-r0":               ("tau2", None, 0, None, "tau2", False, False),
     "bfcl-multi-r2":         ("bfcl", MULTI, 2, None, "bfcl_multi", False, False),
@@ -266,17 +271,24 @@ def bfcl_table(rows: list[dict]) -> str:
 
 
 def fidelity_table(rows: list[dict]) -> str:
-    frows = [r for r in rows if r["fidelity"]]
+    frows = [r for r in rows if r["fidelity"] or r["drift"]]   # drift rows even with no call to compare
     if not frows:
         return ""
     lines = ["| model | row | n tasks | task success (%) | real calls/item | rehearsed calls compared | "
-             "fidelity exact (%) | fidelity field F1 (%) |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "fidelity exact (%) | fidelity field F1 (%) | responses drifted | calls to removed tool |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in frows:
-        f = r["fidelity"]
+        f = r["fidelity"] or {}
         calls = sum(c.get("fidelity", {}).get("calls", 0) * c.get("fidelity", {}).get("n_items", 0)
                     for c in r["categories"].values())
+        # drift stats are stored per item since session 4; earlier drift runs show "n/r"
+        ds = [c["drift"] for c in r["categories"].values() if c.get("drift")]
+        changed = (f"{sum(d['changed'] for d in ds)}/{sum(d['responses'] for d in ds)}" if ds
+                   else "n/r" if r["drift"] else "-")
+        removed = (str(sum(d["removed_tool_calls"] for d in ds)) if ds and "remove" in (r["drift"] or "")
+                   else "-")
         lines.append(f"| {r['model']} | {r['suite']} | {r['n']} | {_pct(r['overall'])} | {r['real_calls']:.2f} | "
-                     f"{calls:.0f} | {_pct(f.get('exact'))} | {_pct(f.get('field_f1'))} |")
+                     f"{calls:.0f} | {_pct(f.get('exact'))} | {_pct(f.get('field_f1'))} | {changed} | {removed} |")
     return "\n".join(lines) + "\n"
 
 
@@ -298,15 +310,16 @@ def plot(rows: list[dict], tags: list[str], path: Path) -> None:
                 if len(rs) < 2:
                     continue
                 ns = [r["rehearsal"] for r in rs]
-                kw = dict(marker="o", linestyle=style, color=f"C{k}", label=f"{t} ({commit})")
+                kw = dict(marker="o" if s == sweep_suites[0] else "s", linestyle=style, color=f"C{k}",
+                          label=f"{t}, {s.split(' (')[0]} ({commit})")
                 a1.plot(ns, [100 * r["overall"] for r in rs], **kw)
                 a2.plot(ns, [r["gen_tokens"] + r["rehearsal_tokens"] for r in rs], **kw)
     for a, yl in ((a1, "accuracy (%)"), (a2, "generated tokens / task (committed + rehearsal)")):
         a.set_xlabel("test-time rehearsal budget N")
         a.set_ylabel(yl, fontsize=8)
         a.set_xticks([0, 1, 2, 4])
-    a1.set_title("builtin EASY: accuracy vs N", fontsize=9)
-    a2.set_title("builtin EASY: token cost vs N", fontsize=9)
+    a1.set_title("accuracy vs test-time rehearsal N", fontsize=9)
+    a2.set_title("token cost vs N", fontsize=9)
     a1.set_ylim(-3, 103)
     a1.legend(fontsize=7)
     jobs = [j for j in dict.fromkeys(r["job"] for r in rows)]

@@ -8,7 +8,7 @@ from fastrehearse.envs.builtin import BuiltinSuite
 from fastrehearse.eval.drift import DriftEnv, DriftSpec, rename_key
 from fastrehearse.eval.harness import HarnessConfig, run_items
 from fastrehearse.eval.policies import GoldPolicy
-from fastrehearse.eval.results import ResultStore
+from fastrehearse.eval.results import ResultStore, per_category
 
 
 class Canned(ToolEnv):
@@ -127,6 +127,12 @@ def test_drift_on_builtin_keeps_state_and_scoring(tmp_path):
     assert [r.score for r in done] == [1.0] * 8
     assert sum(e.stats["changed"] for e in envs) > 0
     assert sum(e.stats["changed"] for e in envs) == sum(e.stats["responses"] for e in envs)
+    # each item records what the drift did; results.json sums it per category
+    assert sorted(json.dumps(r.extra["drift"], sort_keys=True) for r in done) == \
+        sorted(json.dumps(e.stats, sort_keys=True) for e in envs)
+    agg = per_category(done)["test"]["drift"]
+    assert agg["changed"] == sum(e.stats["changed"] for e in envs) > 0
+    assert agg["removed_tool_calls"] == 0 and agg["items_calling_removed_tool"] == 0
 
     def make_removed(c):
         return DriftEnv(suite.make_env(), DriftSpec.parse("remove:get_balance"))
@@ -137,6 +143,8 @@ def test_drift_on_builtin_keeps_state_and_scoring(tmp_path):
     done = run_items([("test", t) for t in uses], make_removed, GoldPolicy(),
                      ResultStore(tmp_path / "b", {}), HarnessConfig(batch_size=4))
     assert all(r.score == 0.0 for r in done)
+    assert all(r.extra["drift"]["removed_tool_calls"] >= 1 for r in done)
+    assert per_category(done)["test"]["drift"]["items_calling_removed_tool"] == len(uses)
 
 
 def test_fidelity_under_drift(tmp_path):

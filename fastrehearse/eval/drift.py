@@ -225,6 +225,11 @@ class DriftEnv(ToolEnv):
         self.stats["changed"] += int(drifted.content != real.content)
         return drifted
 
+    def drift_stats(self) -> dict[str, int]:
+        """What the drift did in this episode: real responses, how many it changed, calls that hit
+        the removed tool (the harness stores this per item; results.json sums it per category)."""
+        return dict(self.stats)
+
     def perturb(self, result: ToolResult) -> ToolResult:
         s = self.spec
         text = result.content

@@ -128,12 +128,16 @@ def run_items(
             n = len(st.fidelity)
             fid = {k: sum(f[k] for f in st.fidelity) / n for k in st.fidelity[0]}
             fid["calls"] = float(n)
+        extra: dict = {"transcript": _transcript(st.traj.messages)} if cfg.keep_transcripts else {}
+        drift_stats = getattr(st.env, "drift_stats", None)     # a DriftEnv-wrapped environment
+        if callable(drift_stats):
+            extra["drift"] = drift_stats()
         r = ItemResult(
             id=st.task.id, category=st.category, score=score, steps=st.steps,
             real_calls=len(st.traj.real_calls), gen_tokens=st.gen_tokens,
             rehearsal_tokens=st.rehearsal_tokens, prompt_tokens=st.prompt_tokens,
             malformed=st.malformed, error=error, time_s=time.perf_counter() - st.t0, fidelity=fid,
-            extra={"transcript": _transcript(st.traj.messages)} if cfg.keep_transcripts else {})
+            extra=extra)
         store.add(r)
         finished.append(r)
         if on_item is not None:

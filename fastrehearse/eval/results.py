@@ -130,5 +130,9 @@ def per_category(items: list[ItemResult]) -> dict[str, dict[str, Any]]:
             keys = sorted({k for f in fid for k in f})
             entry["fidelity"] = {k: sum(f.get(k, 0.0) for f in fid) / len(fid) for k in keys}
             entry["fidelity"]["n_items"] = len(fid)
+        drift = [r.extra["drift"] for r in rs if "drift" in r.extra]
+        if drift:   # what the drift did: responses seen / changed, calls that hit a removed tool
+            entry["drift"] = {k: sum(d.get(k, 0) for d in drift) for k in sorted({k for d in drift for k in d})}
+            entry["drift"]["items_calling_removed_tool"] = sum(d.get("removed_tool_calls", 0) > 0 for d in drift)
         out[name] = entry
     return out
