@@ -297,7 +297,7 @@ def plot(rows: list[dict], tags: list[str], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [1, 1, 1.6]})
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 6.0), gridspec_kw={"width_ratios": [1, 1, 1.6]})
     sweep_suites = [s for s in dict.fromkeys(r["suite"] for r in rows if not r["drift"])
                     if len({r["rehearsal"] for r in rows if r["suite"] == s}) >= 3]
     for s in sweep_suites:
@@ -321,7 +321,10 @@ def plot(rows: list[dict], tags: list[str], path: Path) -> None:
     a1.set_title("accuracy vs test-time rehearsal N", fontsize=9)
     a2.set_title("token cost vs N", fontsize=9)
     a1.set_ylim(-3, 103)
-    a1.legend(fontsize=7)
+    # under the figure: with several suites an in-axes legend would hide the curves
+    h, lab = a1.get_legend_handles_labels()
+    if h:
+        fig.legend(h, lab, loc="lower left", bbox_to_anchor=(0.01, 0.0), ncol=3, fontsize=6)
     jobs = [j for j in dict.fromkeys(r["job"] for r in rows)]
     by = {(r["model"], r["job"]): r for r in rows}
     w = 0.8 / max(1, len(tags))
@@ -334,7 +337,7 @@ def plot(rows: list[dict], tags: list[str], path: Path) -> None:
     a3.set_ylim(0, 100)
     a3.set_title("every row (n per row in the .md)", fontsize=9)
     a3.legend(fontsize=7)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.2, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
