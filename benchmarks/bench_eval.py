@@ -52,8 +52,8 @@ DRIFT = "rename,errors,units,formats"
 JOBS = {
     "builtin-easy-r0":       ("builtin", EASY, 0, None, "easy", True, False),
     "builtin-easy-r0-drift": ("builtin", EASY, 0, DRIFT, "easy", True, True),
-    # a removed tool: EASY tasks have one tool, so success is impossible by construction; the row
-    # measures what the model does instead and whether its world model predicts the unknown-tool error
+    # a removed tool: EASY tasks have one tool, dropped from the schemas, so success is impossible by
+    # construction; the row measures what the model does instead (calls to the missing tool, text answers)
     "builtin-easy-r0-remove": ("builtin", EASY, 0, "remove", "easy", True, True),
     "builtin-easy-answer-r0":       ("builtin", EASY_ANSWER, 0, None, "easy", True, True),
     "builtin-easy-answer-r0-drift": ("builtin", EASY_ANSWER, 0, DRIFT, "easy", True, True),

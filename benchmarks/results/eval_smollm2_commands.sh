@@ -42,7 +42,6 @@ $PY --models $B --jobs builtin-easy-s2 --limit-easy 8 --json $SCRATCH
 $PY --models $RR,$RH --jobs builtin-easy-r0,builtin-easy-r0-drift,builtin-easy-answer-r0,builtin-easy-answer-r0-drift,builtin-easy-s2,bfcl-single-r0 \
     --limit-easy 24 --limit-bfcl 4 --json $SCRATCH
 $PY --models $RR --jobs builtin-easy-r2 --limit-easy 24 --json $SCRATCH
-# Not run (CPU budget): builtin-easy-s4 for the base; bfcl-multi-s2 / tau2-s2 for the base
 # --- session 4 (AMD EPYC 2-core; runs/demo/export regenerated once more by `make demo`: same config and
 # seed, same held-out summary): larger samples on BFCL and tau2, the BFCL single-turn rehearsal sweep
 # N = 1, 2, 4, a removed-tool drift row, N=4 select. Two queues side by side (base | demo).
@@ -58,6 +57,7 @@ $PY --models $R --jobs bfcl-multi-r0 --limit-bfcl-multi 3 --json $SCRATCH
 $PY --models $R --jobs builtin-easy-s4 --limit-easy 24 --json $SCRATCH
 $PY --models $R --jobs bfcl-multi-s2 --limit-bfcl-multi 1 --json $SCRATCH   # side by side with the next
 $PY --models $R --jobs tau2-s2 --limit-tau2 2 --json $SCRATCH
+# Not run (CPU budget): builtin-easy-s4 for the base; bfcl-multi-s2 / tau2-s2 for the base
 # 9. the report over every run directory (runs nothing new; explicit tags, so it needs no runs/)
 RT=smollm2-135m-demo-rehearse-trained=$R; HT=smollm2-135m-demo-hybrid-trained=$H
 $PY --models $B,$RT,$HT,$RR,$RH --report-only --notes benchmarks/results/eval_smollm2_notes.md
