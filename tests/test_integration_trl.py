@@ -1,0 +1,243 @@
+"""TRL adapter against TRL 1.16's own GRPOTrainer on tiny random models (real trl, CPU).
+
+Same seed, same initial weights: the per-token log-probs / entropies must agree to 1e-5 and every
+parameter gradient of 3 training steps must agree (TRL's chunked head vs fastrehearse's head, and
+TRL's loss vs the fused loss). Gemma2 (final logit soft-capping) and Cohere (logit scale) must be
+scored correctly or refused, never silently wrong.
+"""
+import copy
+import warnings
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+transformers = pytest.importorskip("transformers")
+
+from fastrehearse.integrations import trl as fr_trl  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+WORDS = [f"w{i}" for i in range(60)]
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>"] + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
+                                                eos_token="<eos>", unk_token="<unk>")
+
+
+def tiny_model(kind="llama", seed=0, **over):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=63 + 1, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**common, **over)
+        cls = transformers.LlamaForCausalLM
+    elif kind == "gemma2":
+        cfg = transformers.Gemma2Config(**common, head_dim=8, final_logit_softcapping=2.0,
+                                        query_pre_attn_scalar=8, sliding_window=16, **over)
+        cls = transformers.Gemma2ForCausalLM
+    elif kind == "cohere":
+        cfg = transformers.CohereConfig(**common, logit_scale=3.5, **over)
+        cls = transformers.CohereForCausalLM
+    else:
+        raise ValueError(kind)
+    model = cls(cfg).float()
+    with torch.no_grad():  # a random head with visible logits, so transforms matter
+        model.get_output_embeddings().weight.normal_(0.0, 0.5)
+    return model
+
+
+def prompts_dataset(n=8):
+    from datasets import Dataset
+    g = torch.Generator().manual_seed(1)
+    rows = [" ".join(WORDS[int(i)] for i in torch.randint(0, 60, (5,), generator=g))
+            for _ in range(n)]
+    return Dataset.from_dict({"prompt": rows})
+
+
+def reward_w7(completions, **kw):
+    # deterministic, varies across completions so advantages are non-zero
+    return [float(sum((i + 1) * int(w[1:]) for i, w in enumerate(c.split()) if w[1:].isdigit())
+                  % 11) for c in completions]
+
+
+def grpo_args(tmp_path, **over):
+    kw = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=3,
+              per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+              logging_steps=1, save_strategy="no", seed=7, learning_rate=1e-2,
+              # plain SGD: Adam's m / sqrt(v) turns fp32 rounding in near-zero gradients into
+              # +-lr parameter differences, which later steps' gradients would then reflect
+              optim="sgd",
+              max_grad_norm=0.0, bf16=False, disable_dropout=True, temperature=0.9)
+    kw.update(over)
+    return trl.GRPOConfig(**kw)
+
+
+class GradRecorder(transformers.TrainerCallback):
+    def __init__(self):
+        self.model, self.grads = None, []
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        self.grads.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters()
+                           if p.grad is not None})
+
+
+def train(cls, model, tmp_path, extra=None, **over):
+    args = grpo_args(tmp_path, **over)
+    tok = tiny_tokenizer()
+    rec = GradRecorder()
+    trainer = cls(model=model, args=args, reward_funcs=reward_w7, train_dataset=prompts_dataset(),
+                  processing_class=tok, callbacks=[rec], **(extra or {}))
+    rec.model = trainer.model
+    trainer.train()
+    return trainer, rec.grads
+
+
+def assert_grads_equal(ga, gb, rel=1e-5):
+    """Every element within rel * max|grad| of its tensor (fp32 sums in another order: an
+    elementwise relative test is meaningless for near-zero elements), and the global gradient
+    norms within 1e-6 relative at step 0 (identical parameters); later steps start from parameters
+    that already differ by the previous steps' rounding, so 1e-5 there."""
+    assert len(ga) == len(gb) and len(ga) > 0
+    # non-trivial gradients (non-zero advantages), else equality would say nothing
+    assert all(max(float(g.abs().max()) for g in step.values()) > 1e-3 for step in ga)
+    for step, (a, b) in enumerate(zip(ga, gb)):
+        assert a.keys() == b.keys()
+        for n in a:
+            scale = float(a[n].abs().max())
+            torch.testing.assert_close(b[n], a[n], rtol=0, atol=rel * scale,
+                                       msg=lambda m: f"step {step} grad {n}: {m}")
+        norm = lambda g: torch.linalg.vector_norm(torch.stack(  # noqa: E731
+            [torch.linalg.vector_norm(t.double()) for t in g.values()]))
+        tol = 1e-6 if step == 0 else 1e-5
+        assert abs(float(norm(b) / norm(a)) - 1.0) < tol, f"step {step} grad norm"
+
+
+def batch_logps(trainer, model):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 63, (3, 12), generator=g)
+    attn = torch.ones_like(ids)
+    attn[1, :2] = 0            # left padding of a prompt
+    attn[2, -3:] = 0           # padding after the end of a completion
+    return trainer._get_per_token_logps_and_entropies(model, ids, attn, 6, compute_entropy=True)
+
+
+def test_llama_logps_and_entropy_match_trl_head(tmp_path):
+    base = tiny_model("llama")
+    ref_tr = trl.GRPOTrainer(model=copy.deepcopy(base), args=grpo_args(tmp_path / "a"),
+                             reward_funcs=reward_w7, train_dataset=prompts_dataset(),
+                             processing_class=tiny_tokenizer())
+    fast = fr_trl.FastGRPOTrainer(model=copy.deepcopy(base), args=grpo_args(tmp_path / "b"),
+                                  reward_funcs=reward_w7, train_dataset=prompts_dataset(),
+                                  processing_class=tiny_tokenizer())
+    lp_a, ent_a, _ = batch_logps(ref_tr, ref_tr.model)
+    lp_b, ent_b, _ = batch_logps(fast, fast.model)
+    assert lp_a.shape == lp_b.shape == (3, 6)
+    torch.testing.assert_close(lp_b, lp_a, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent_b, ent_a, rtol=0, atol=1e-5)
+    assert (lp_b[2, -3:] == 0).all() and (lp_a[2, -3:] == 0).all()  # padded completion tokens
+    assert (lp_b[:2] != 0).all()
+
+
+@pytest.mark.parametrize("fused_loss", [False, True])
+def test_llama_grpo_steps_match_trl(tmp_path, fused_loss):
+    base = tiny_model("llama")
+    _, g_ref = train(trl.GRPOTrainer, copy.deepcopy(base), tmp_path / "ref")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the fused path must not fall back here
+        fast, g_fast = train(fr_trl.FastGRPOTrainer, copy.deepcopy(base), tmp_path / "fast",
+                             extra={"fused_loss": fused_loss})
+    assert len(g_ref) == 3
+    assert_grads_equal(g_ref, g_fast)
+    assert fast.fused_loss_calls == (3 if fused_loss else 0)
+    logs = [h for h in fast.state.log_history if "entropy" in h]
+    assert len(logs) == 3 and all(h["clip_ratio/region_mean"] == 0.0 for h in logs)
+
+
+@pytest.mark.parametrize("over", [
+    dict(loss_type="bnpo", beta=0.05, use_bias_correction_kl=False),
+    dict(loss_type="dr_grpo", epsilon_high=0.28),
+    dict(loss_type="dapo", num_iterations=2, delta=1.5),   # off-policy second pass: real ratios
+    dict(loss_type="bnpo", entropy_coef=0.01),
+])
+def test_fused_loss_types_match_trl(tmp_path, over):
+    # beta != 0: TRL builds the reference model from the policy's path, so pass a saved model
+    path = str(tmp_path / "model")
+    tiny_model("llama", seed=1).save_pretrained(path)
+    _, g_ref = train(trl.GRPOTrainer, path, tmp_path / "ref", **over)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        fast, g_fast = train(fr_trl.FastGRPOTrainer, path, tmp_path / "fast", **over)
+    assert_grads_equal(g_ref, g_fast)
+    assert fast.fused_loss_calls >= 3
+
+
+def test_unsupported_loss_falls_back_with_one_warning(tmp_path):
+    base = tiny_model("llama", seed=2)
+    _, g_ref = train(trl.GRPOTrainer, copy.deepcopy(base), tmp_path / "ref", loss_type="sapo")
+    fr_trl._warned.clear()
+    with pytest.warns(UserWarning, match="loss_type='sapo'") as rec:
+        _, g_fast = train(fr_trl.FastGRPOTrainer, copy.deepcopy(base), tmp_path / "fast",
+                          loss_type="sapo")
+    assert sum("sapo" in str(w.message) for w in rec) == 1
+    assert_grads_equal(g_ref, g_fast)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "cohere"])
+def test_softcap_and_logit_scale_models_scored_or_refused(tmp_path, kind):
+    base = tiny_model(kind)
+    ref_tr = trl.GRPOTrainer(model=copy.deepcopy(base), args=grpo_args(tmp_path / "a"),
+                             reward_funcs=reward_w7, train_dataset=prompts_dataset(),
+                             processing_class=tiny_tokenizer())
+    lp_a, ent_a, _ = batch_logps(ref_tr, ref_tr.model)
+    supported = {"logit_softcap", "logit_scale"} <= fr_trl._kernel_kwargs(fr_trl.linear_logprobs)
+    if not supported:
+        with pytest.raises(fr_trl.UnsupportedModelError, match="logit_s"):
+            fr_trl.FastGRPOTrainer(model=copy.deepcopy(base), args=grpo_args(tmp_path / "b"),
+                                   reward_funcs=reward_w7, train_dataset=prompts_dataset(),
+                                   processing_class=tiny_tokenizer())
+        return
+    fast = fr_trl.FastGRPOTrainer(model=copy.deepcopy(base), args=grpo_args(tmp_path / "b"),
+                                  reward_funcs=reward_w7, train_dataset=prompts_dataset(),
+                                  processing_class=tiny_tokenizer())
+    lp_b, ent_b, _ = batch_logps(fast, fast.model)
+    torch.testing.assert_close(lp_b, lp_a, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent_b, ent_a, rtol=0, atol=1e-5)
+
+
+def test_unknown_head_transform_is_refused():
+    model = tiny_model("llama")
+    orig = model.forward
+
+    def doubled(*a, **k):  # a custom forward that rescales logits, announced by no config field
+        out = orig(*a, **k)
+        out.logits = out.logits * 2.0
+        return out
+
+    model.forward = doubled
+    with pytest.raises(fr_trl.UnsupportedModelError, match="differ"):
+        fr_trl.patch_fused_lm_head(model)
+
+
+def test_head_with_bias_is_scored_or_refused():
+    model = tiny_model("llama")
+    head = model.lm_head
+    model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    model.lm_head.weight = head.weight
+    if "bias" not in fr_trl._kernel_kwargs(fr_trl.linear_logprobs):
+        with pytest.raises(fr_trl.UnsupportedModelError, match="bias"):
+            fr_trl.patch_fused_lm_head(model)
+        return
+    ids = torch.randint(3, 63, (2, 9))
+    with torch.no_grad():
+        ref = torch.log_softmax(model(input_ids=ids).logits[:, :-1].double(), -1)
+        ref = ref.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    fr_trl.patch_fused_lm_head(model)
+    out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+    torch.testing.assert_close(out.log_probs.double(), ref, rtol=0, atol=1e-5)
