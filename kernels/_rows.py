@@ -1,75 +1,12 @@
-"""Row math on one chunk of logits: log-sum-exp, target log-prob, entropy, and d(loss)/d(logits).
-
-For a row of raw logits `z` [V], temperature T, `s = z / T`, target t:
-
-    lse     = log sum_j exp(s_j)
-    logp    = s_t - lse
-    H       = -sum_j p_j log p_j = lse - sum_j p_j s_j,          p = softmax(s)
-
-Given upstream per-row gradients g1 = dL/dlogp and g2 = dL/dH:
-
-    dL/ds_j = g1 (1[j=t] - p_j) - g2 p_j (log p_j + H)
-    dL/dz_j = dL/ds_j / T
-
-Two implementations with the same contract:
-- `*_torch`: plain PyTorch on the [C, V] chunk (readable reference, the CPU default);
-- `*_triton`: one program per row looping over V in blocks with an *online* max / sum-exp that
-  starts at -inf (a running max started at 0 breaks on all-negative logits). The entropy is
-  accumulated relative to the running max, H = log S - (sum e_j (s_j - m)) / S, which avoids the
-  cancellation of lse - E[s] when |s| ~ 100.
-Row stats return `lse` (in units of s) so the gradient pass can recompute p = exp(s - lse).
+"""Triton kernels of the row math (see `_rowmath.py` for the formulas) and of the LM-head
+transform (see `_head.py`). Imported only when the Triton backend runs: the torch backend never
+imports triton.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-# ---- torch ------------------------------------------------------------------------------------
-
-
-def row_stats_torch(z, t, inv_temp: float, with_entropy: bool):
-    """z: fp32 [C, V] raw logits (not modified). Returns (logp, entropy or None, lse), fp32 [C]."""
-    s = z * inv_temp if inv_temp != 1.0 else z
-    if not with_entropy:
-        lse = torch.logsumexp(s, dim=1)
-        return s.gather(1, t.view(-1, 1)).squeeze(1) - lse, None, lse
-    m = s.amax(dim=1, keepdim=True)
-    sm = s - m                      # shifted logits, <= 0
-    e = torch.exp(sm)
-    sum_e = e.sum(dim=1)
-    log_sum = torch.log(sum_e)
-    lse = m.squeeze(1) + log_sum
-    logp = sm.gather(1, t.view(-1, 1)).squeeze(1) - log_sum
-    ent = log_sum - e.mul_(sm).sum(dim=1) / sum_e
-    return logp, ent, lse
-
-
-def row_grad_torch(z, t, lse, ent, g1, g2, inv_temp: float, out=None):
-    """dL/dz for one chunk. z fp32 [C, V] is scratch (overwritten); the result is returned,
-    copied into `out` when that is a different buffer. g1/g2: fp32 [C] or None.
-
-    Written as few full passes over the chunk as possible (this is the CPU hot loop).
-    """
-    logq = (z.mul_(inv_temp) if inv_temp != 1.0 else z).sub_(lse.view(-1, 1))   # log p
-    if g2 is not None:
-        # dz = -p (g1 + g2 (log p + H)) = p * (-g2 log p - (g1 + g2 H))
-        p = torch.exp(logq)
-        off = g2 * ent if g1 is None else g1 + g2 * ent
-        dz = p.mul_(logq.mul_(-g2.view(-1, 1)).sub_(off.view(-1, 1)))
-    else:
-        dz = logq.exp_().mul_(-g1.view(-1, 1))
-    if g1 is not None:
-        dz.scatter_add_(1, t.view(-1, 1), g1.view(-1, 1))
-    if inv_temp != 1.0:
-        dz.mul_(inv_temp)
-    if out is None or out.data_ptr() == dz.data_ptr() or out.data_ptr() == z.data_ptr():
-        return dz
-    out.copy_(dz)
-    return out
-
-
-# ---- triton -----------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -165,12 +102,86 @@ def row_grad_triton(z, t, lse, ent, g1, g2, inv_temp: float, out=None):
     return out
 
 
-def row_stats(z, t, inv_temp, with_entropy, backend):
-    fn = row_stats_triton if backend == "triton" else row_stats_torch
-    return fn(z, t, inv_temp, with_entropy)
+# ---- LM-head transform (bias, logit scale, soft-cap) ---------------------------------------------
+# tanh is written out (libdevice's is not available under TRITON_INTERPRET): an odd Taylor
+# polynomial for |x| < 0.25, where (1 - e) / (1 + e) with e = exp(-2|x|) would lose relative
+# precision to cancellation (the truncation error there is < 1e-8 relative), that quotient elsewhere
+# (exp(-2|x|) -> 0 gives exactly +-1 for large |x|). It is inlined in both kernels, not a jit
+# helper, so every @triton.jit function in this module is a launchable kernel.
 
 
-def row_grad(z, t, lse, ent, g1, g2, inv_temp, backend, out=None):
-    """At least one of g1, g2 must be given (the caller skips chunks with no gradient)."""
-    fn = row_grad_triton if backend == "triton" else row_grad_torch
-    return fn(z, t, lse, ent if g2 is not None else None, g1, g2, inv_temp, out=out)
+@triton.jit
+def _head_fwd_kernel(z_ptr, stride_z, u_ptr, stride_u, b_ptr, V, scale, softcap,
+                     HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """u = scale * (z + b); u = softcap * tanh(u / softcap) when HAS_CAP. u may alias z."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    valid = cols < V
+    z = tl.load(z_ptr + row * stride_z + cols, mask=valid, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(b_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+    z = z * scale
+    if HAS_CAP:
+        x = z / softcap
+        ax = tl.abs(x)
+        e = tl.exp(-2.0 * ax)
+        x2 = x * x
+        poly = ax * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
+            -0.05396825396825397 + x2 * 0.021869488536155203))))
+        th = tl.where(ax < 0.25, poly, (1.0 - e) / (1.0 + e))
+        z = softcap * tl.where(x < 0, -th, th)
+    tl.store(u_ptr + row * stride_u + cols, z, mask=valid)
+
+
+@triton.jit
+def _head_bwd_kernel(z_ptr, stride_z, dz_ptr, stride_dz, b_ptr, V, scale, softcap,
+                     HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """dz *= du/dz = scale (1 - tanh^2(scale (z + b) / softcap)) (just scale without a cap); in place."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    valid = cols < V
+    dz_row = dz_ptr + row * stride_dz
+    g = tl.load(dz_row + cols, mask=valid, other=0.0).to(tl.float32)
+    if HAS_CAP:
+        z = tl.load(z_ptr + row * stride_z + cols, mask=valid, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            z += tl.load(b_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+        x = z * scale / softcap
+        ax = tl.abs(x)
+        e = tl.exp(-2.0 * ax)
+        x2 = x * x
+        poly = ax * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
+            -0.05396825396825397 + x2 * 0.021869488536155203))))
+        th = tl.where(ax < 0.25, poly, (1.0 - e) / (1.0 + e))
+        g = g * (scale * (1.0 - th * th))
+    else:
+        g = g * scale
+    tl.store(dz_row + cols, g.to(dz_ptr.dtype.element_ty), mask=valid)
+
+
+def _head_grid_block(v: int, device: torch.device) -> int:
+    cap = 8192 if device.type == "cpu" else 1024
+    return max(16, min(cap, triton.next_power_of_2(v)))
+
+
+def head_forward_triton(z, bias, scale: float, softcap, out):
+    c, v = z.shape
+    if c:
+        bv = _head_grid_block(v, z.device)
+        _head_fwd_kernel[(c, triton.cdiv(v, bv))](
+            z, z.stride(0), out, out.stride(0), bias if bias is not None else z, v, float(scale),
+            float(softcap or 1.0), HAS_BIAS=bias is not None, HAS_CAP=softcap is not None,
+            BLOCK_V=bv)
+    return out
+
+
+def head_backward_triton(dz, z_pre, bias, scale: float, softcap):
+    c, v = dz.shape
+    if c:
+        bv = _head_grid_block(v, dz.device)
+        zp = z_pre if z_pre is not None else dz
+        _head_bwd_kernel[(c, triton.cdiv(v, bv))](
+            zp, zp.stride(0), dz, dz.stride(0), bias if bias is not None else dz, v, float(scale),
+            float(softcap or 1.0), HAS_BIAS=bias is not None, HAS_CAP=softcap is not None,
+            BLOCK_V=bv)
+    return dz

@@ -1,7 +1,10 @@
 """Fused LM-head projection + log-prob (+ entropy) of the target tokens, without N x V logits.
 
-    logp[i] = log_softmax(hidden[i] @ weight.T / T)[targets[i]]
+    logp[i] = log_softmax(head(hidden[i] @ weight.T) / T)[targets[i]]
     ent[i]  = -sum_j p_ij log p_ij                               (when with_entropy)
+
+head() is the identity unless an LM-head variant is given (bias, logit_scale, logit_softcap: see
+_head.py); a variant other than a lone positive scale runs the row-chunked path on every backend.
 
 Algorithm (see docs/kernels.md):
 1. compact: only rows with mask[i] = True enter the projection (masked rows cost nothing);
@@ -19,7 +22,8 @@ import torch
 from ._blocked import blocked_backward, blocked_stats
 from ._common import (addmm_f32_, check_linear_inputs, check_targets, check_temperature,
                       chunk_rows, mm_f32, resolve_backend, torch_block_rows)
-from ._rows import row_grad, row_stats
+from ._head import build_head
+from ._rowmath import row_grad, row_stats
 
 __all__ = ["linear_logprobs"]
 
@@ -30,15 +34,26 @@ def _grad_dtype(w: torch.Tensor) -> torch.dtype:
     return w.dtype if w.is_cuda else torch.float32
 
 
-def chunk_grad(x_c, w, z, t_c, lse_c, ent_c, g1_c, g2_c, inv_temp, backend, dx_out, dw_acc):
-    """One chunk of the backward: logits z (fp32 [C, V], consumed) -> dZ -> dX_c, dW.
+def chunk_grad(x_c, w, z, t_c, lse_c, ent_c, g1_c, g2_c, inv_temp, backend, dx_out, dw_acc,
+               head=None, z_pre=None, db_acc=None):
+    """One chunk of the backward: logits z (fp32 [C, V], consumed) -> dZ -> dX_c, dW (, db).
 
+    z holds what the row kernels saw: u = head(z_pre) when a head variant is active (then dL/du
+    is taken back through the head to dL/dz_pre, and its column sums go to `db_acc`).
     dX_c is written into `dx_out` (a [C, H] view, or None); dZ^T X_c is added to the fp32
     accumulator `dw_acc` (or None). g1_c = dL/dlogp, g2_c = dL/dH (fp32 [C] or None).
     """
     gdt = _grad_dtype(w)
-    out = z if gdt == torch.float32 else torch.empty(z.shape, device=z.device, dtype=gdt)
-    dz = row_grad(z, t_c, lse_c, ent_c, g1_c, g2_c, inv_temp, backend, out=out)
+    if head is None:
+        out = z if gdt == torch.float32 else torch.empty(z.shape, device=z.device, dtype=gdt)
+        dz = row_grad(z, t_c, lse_c, ent_c, g1_c, g2_c, inv_temp, backend, out=out)
+    else:
+        dz = row_grad(z, t_c, lse_c, ent_c, g1_c, g2_c, inv_temp, backend, out=z)   # dL/du, fp32
+        dz = head.backward_(dz, z_pre, backend)                                      # dL/dz_pre
+        if db_acc is not None:
+            db_acc += dz.sum(0)
+        if gdt != torch.float32:
+            dz = dz.to(gdt)
     if dx_out is not None:
         if dz.dtype == w.dtype:
             torch.mm(dz, w, out=dx_out)
@@ -48,38 +63,55 @@ def chunk_grad(x_c, w, z, t_c, lse_c, ent_c, g1_c, g2_c, inv_temp, backend, dx_o
         addmm_f32_(dw_acc, dz.t(), x_c if dz.dtype == x_c.dtype else x_c.to(dz.dtype))
 
 
-def chunked_backward(x, w, t, lse, ent, g1, g2, inv_temp, backend, chunk, need_dx, need_dw):
-    """Backward sweep of linear_logprobs: returns (dX in x.dtype or None, dW fp32 or None).
+def head_logits(x_c, w, head, backend):
+    """(u, z_pre): the chunk's logits as the row kernels see them, and the raw GEMM output when the
+    head's backward needs it (else None). Without a head u is the GEMM output itself."""
+    z = mm_f32(x_c, w.t())
+    if head is None:
+        return z, None
+    if head.needs_pre:
+        return head.forward(z, backend, out=torch.empty_like(z)), z
+    return head.forward(z, backend), None
 
-    g1 = dL/dlogp [n] fp32 or None, g2 = dL/dH [n] fp32 or None (not both None).
+
+def chunked_backward(x, w, t, lse, ent, g1, g2, inv_temp, backend, chunk, need_dx, need_dw,
+                     head=None, need_db=False):
+    """Backward sweep of the row-chunked path: (dX in x.dtype or None, dW fp32 or None, db fp32
+    or None). g1 = dL/dlogp [n] fp32 or None, g2 = dL/dH [n] fp32 or None (not both None).
     """
     n = x.shape[0]
     dx = torch.empty_like(x) if need_dx else None
     dw = torch.zeros(w.shape, device=w.device, dtype=torch.float32) if need_dw else None
+    db = torch.zeros(w.shape[0], device=w.device, dtype=torch.float32) if need_db else None
     for s in range(0, n, chunk):
         e = min(n, s + chunk)
         x_c = x[s:e]
-        z = mm_f32(x_c, w.t())
+        z, z_pre = head_logits(x_c, w, head, backend)
         chunk_grad(x_c, w, z, t[s:e], lse[s:e], None if ent is None else ent[s:e],
                    None if g1 is None else g1[s:e], None if g2 is None else g2[s:e],
-                   inv_temp, backend, None if dx is None else dx[s:e], dw)
-        del z
-    return dx, dw
+                   inv_temp, backend, None if dx is None else dx[s:e], dw, head, z_pre, db)
+        del z, z_pre
+    return dx, dw, db
 
 
 class _LinearLogprobs(torch.autograd.Function):
-    """Compacted rows in, per-row (logp, entropy) out. Entropy output is empty when unused."""
+    """Compacted rows in, per-row (logp, entropy) out. Entropy output is empty when unused.
+
+    `b` is the LM-head bias (or None) and `head` its HeadTransform (None: no variant, today's
+    paths unchanged; the torch backend then runs the vocabulary-blocked code of _blocked.py).
+    """
 
     @staticmethod
-    def forward(ctx, x, w, t, inv_temp, with_entropy, backend, chunk):
-        if backend == "torch":
+    def forward(ctx, x, w, b, t, inv_temp, with_entropy, backend, chunk, head):
+        if backend == "torch" and head is None:
             logp, ent, lse = blocked_stats(x, w, t, inv_temp, with_entropy, chunk)
             if ent is None:
                 ent = torch.empty(0, device=x.device, dtype=torch.float32)
         else:
-            logp, lse, ent = _row_chunked_stats(x, w, t, inv_temp, with_entropy, backend, chunk)
+            logp, lse, ent = _row_chunked_stats(x, w, t, inv_temp, with_entropy, backend, chunk,
+                                                head)
         ctx.save_for_backward(x, w, t, lse, ent)
-        ctx.cfg = (inv_temp, with_entropy, backend, chunk)
+        ctx.cfg = (inv_temp, with_entropy, backend, chunk, head)
         ctx.set_materialize_grads(False)
         if not with_entropy:
             ctx.mark_non_differentiable(ent)
@@ -88,26 +120,31 @@ class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         x, w, t, lse, ent = ctx.saved_tensors
-        inv_temp, with_entropy, backend, chunk = ctx.cfg
+        inv_temp, with_entropy, backend, chunk, head = ctx.cfg
         if not with_entropy:
             g_ent = None
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if (g_logp is None and g_ent is None) or not (need_dx or need_dw) or x.shape[0] == 0:
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        nones = (None,) * 6
+        if (g_logp is None and g_ent is None) or not (need_dx or need_dw or need_db) \
+                or x.shape[0] == 0:
             dx = torch.zeros_like(x) if need_dx else None
             dw = torch.zeros_like(w) if need_dw else None
-            return dx, dw, None, None, None, None, None
+            db = torch.zeros(w.shape[0], device=w.device, dtype=head.bias_dtype) if need_db else None
+            return (dx, dw, db) + nones
         g1 = None if g_logp is None else g_logp.float().contiguous()
         g2 = None if g_ent is None else g_ent.float().contiguous()
         args = (x, w, t, lse, ent if with_entropy else None, g1, g2, inv_temp)
-        if backend == "torch":
+        db = None
+        if backend == "torch" and head is None:
             dx, dw = blocked_backward(*args, chunk, need_dx, need_dw)
         else:
-            dx, dw = chunked_backward(*args, backend, chunk, need_dx, need_dw)
-        return dx, (dw.to(w.dtype) if dw is not None else None), None, None, None, None, None
+            dx, dw, db = chunked_backward(*args, backend, chunk, need_dx, need_dw, head, need_db)
+        return (dx, (dw.to(w.dtype) if dw is not None else None),
+                (db.to(head.bias_dtype) if db is not None else None)) + nones
 
 
-def _row_chunked_stats(x, w, t, inv_temp, with_entropy, backend, chunk):
-    """Forward sweep of the Triton backend: rows in chunks, the whole vocabulary per chunk."""
+def _row_chunked_stats(x, w, t, inv_temp, with_entropy, backend, chunk, head=None):
+    """Forward sweep of the row-chunked path: rows in chunks, the whole vocabulary per chunk."""
     n = x.shape[0]
     logp = torch.empty(n, device=x.device, dtype=torch.float32)
     lse = torch.empty_like(logp)
@@ -115,6 +152,8 @@ def _row_chunked_stats(x, w, t, inv_temp, with_entropy, backend, chunk):
     for s in range(0, n, chunk):
         e = min(n, s + chunk)
         z = mm_f32(x[s:e], w.t())
+        if head is not None:
+            z = head.forward(z, backend)
         lp, h, l = row_stats(z, t[s:e], inv_temp, with_entropy, backend)
         logp[s:e] = lp
         lse[s:e] = l
@@ -144,8 +183,9 @@ def scatter_rows(vals: torch.Tensor, rows: torch.Tensor | None, n: int) -> torch
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                     mask: torch.Tensor | None = None, temperature: float = 1.0,
                     with_entropy: bool = False, backend: str = "auto",
-                    chunk_size: int | None = None):
-    """Log-prob of `targets` (and optionally the entropy) under softmax(hidden @ weight.T / T).
+                    chunk_size: int | None = None, bias: torch.Tensor | None = None,
+                    logit_softcap: float | None = None, logit_scale: float | None = None):
+    """Log-prob of `targets` (and optionally the entropy) under softmax(head(hidden @ weight.T) / T).
 
     Args:
         hidden: [N, H] float32/bfloat16/float16 final hidden states.
@@ -153,17 +193,25 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
         targets: [N] int64 token ids; must lie in [0, V) wherever `mask` is True.
         mask: [N] bool or None (all rows). Rows with mask False cost no projection work, get
             logp = ent = 0 exactly and receive no gradient.
-        temperature: logits are divided by it before the softmax.
+        temperature: the sampler's temperature: logits are divided by it before the softmax
+            (after the head's scale and soft-cap).
         with_entropy: also return the per-row entropy (differentiable).
         backend: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch", or "auto"
             (triton on CUDA, torch otherwise).
         chunk_size: rows per chunk (default: from a memory budget, see `_common.chunk_rows`).
+        bias: [V] LM-head bias or None (differentiable).
+        logit_softcap: c > 0 or None: logits = c * tanh(logits / c) (Gemma 2/3's
+            final_logit_softcapping), applied after bias and scale, before the temperature.
+        logit_scale: a (nonzero) or None: logits = a * (hidden @ weight.T + bias) (Cohere's
+            logit_scale; Granite's is 1 / logits_scaling).
 
     Returns:
-        (logp [N] float32, ent [N] float32 or None). Both differentiable w.r.t. hidden and weight.
+        (logp [N] float32, ent [N] float32 or None). Both differentiable w.r.t. hidden, weight
+        (and bias).
     """
     check_linear_inputs(hidden, weight, targets, mask)
-    inv_temp = 1.0 / check_temperature(temperature)
+    head, inv_temp = build_head(bias, logit_softcap, logit_scale, weight,
+                                1.0 / check_temperature(temperature))
     backend = resolve_backend(backend, hidden.device)
     n, v = hidden.shape[0], weight.shape[0]
     rows = compact_rows(mask, n)
@@ -173,9 +221,11 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     t = t.long().contiguous()
     x = x.contiguous()
     w = weight.contiguous()
-    chunk = (torch_block_rows(x.shape[0], chunk_size) if backend == "torch"
+    chunk = (torch_block_rows(x.shape[0], chunk_size) if backend == "torch" and head is None
              else chunk_rows(x.shape[0], v, x.device, chunk_size))
-    logp, ent = _LinearLogprobs.apply(x, w, t, inv_temp, bool(with_entropy), backend, chunk)
+    b = None if head is None else bias
+    logp, ent = _LinearLogprobs.apply(x, w, b, t, inv_temp, bool(with_entropy), backend, chunk,
+                                      head)
     logp = scatter_rows(logp, rows, n)
     if not with_entropy:
         return logp, None

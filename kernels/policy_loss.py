@@ -1,12 +1,19 @@
 """Role-wise GRPO / PPO-clip loss fused with the LM-head projection (one pass, 6NHV FLOPs).
 
-For loss-bearing token t with role r = roles[t], logp_t from `linear_logprobs`, A_t = advantage:
+For loss-bearing token t with role r = roles[t], logp_t from `linear_logprobs` (with the same
+LM-head variants: bias, logit_scale, logit_softcap), A_t = advantage, sg = stop-gradient:
 
-    ACT, REHEARSE:  ratio  rho = exp(logp - old_logp)
-                    l_pg   = max(-A rho, -A clip(rho, 1 - clip_low, 1 + clip_high))
-                    l_pg   = min(l_pg, -c A)          if dual_clip = c and A < 0
-                    l      = l_pg + kl_coef * KL(logp, ref_logp) - entropy_coef * H
-                        KL: k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = exp(ref - logp) - (ref - logp) - 1
+    ACT, REHEARSE:
+      log-ratio   d_t = logp_t - old_t                     importance_sampling="token" (default)
+                  d_t = mean_{u in seq(t)} (logp_u - old_u)  "sequence" (GSPO; u over the RL
+                                                            tokens of t's sequence, by seq_ids)
+                  old_logp=None (on-policy): old = sg(logp), so d = 0 with gradient 1
+      ratio       rho = exp(d)
+      pg_loss="ppo_clip":  l_pg = max(-A rho, -A clip(rho, 1 - clip_low, 1 + clip_high))
+                           l_pg = min(l_pg, -c A)          if dual_clip = c and A < 0
+      pg_loss="cispo":     l_pg = -sg(min(rho, 1 + clip_high)) A logp
+      l = l_pg + kl_coef * KL(logp, ref_logp) [* rho if kl_ratio] - entropy_coef * H
+          KL: k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = exp(ref - logp) - (ref - logp) - 1
     OBSERVED:       l = -logp                          (supervised CE on real tool responses)
     CONTEXT:        nothing (and no projection work)
 
@@ -21,29 +28,96 @@ compacted out with CONTEXT: no projection work, exactly zero gradient, logp repo
 
 Fused path: dl/dlogp and dl/dH are known as soon as logp and H are, so each chunk does
 Z = X_c W^T -> row stats -> per-token dl/dlogp, dl/dH -> dZ in place -> dX_c = dZ W,
-dW += dZ^T X_c. Backward only scales the stored dX, dW by grad_output. 6NHV instead of 8NHV.
+dW += dZ^T X_c. Backward only scales the stored dX, dW (, d bias) by grad_output. 6NHV instead
+of 8NHV. A sequence-level ratio couples the tokens of a sequence (its gradient needs every logp
+of the sequence first), so importance_sampling="sequence" runs the unfused path (8NHV).
 Unfused path: `linear_logprobs` + the same loss written as plain autograd torch (the reference).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from numbers import Integral, Real
 from typing import Sequence
 
 import torch
 
 from ._common import (check_linear_inputs, check_targets, chunk_rows, mm_f32, resolve_backend)
-from ._rows import row_stats
-from .linear_logprobs import chunk_grad, linear_logprobs
+from ._rowmath import row_stats
+from ._head import build_head
+from .linear_logprobs import chunk_grad, head_logits, linear_logprobs
 from .roles import NUM_ROLES, Role
 
 __all__ = ["PolicyLossConfig", "PolicyLossOutput", "linear_policy_loss"]
 
 KL_TYPES = ("k1", "k2", "k3")
+IS_LEVELS = ("token", "sequence")
+PG_LOSSES = ("ppo_clip", "cispo")
 _RL_ROLES = (int(Role.ACT), int(Role.REHEARSE))
+
+
+def _num(name, value, *, lo=None, lo_open=False, hi=None, hi_open=False, optional=False):
+    """A finite real number (bool and str refused) within the given bounds, as float."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ValueError(f"PolicyLossConfig.{name} must be a number, got {value!r}")
+    v = float(value)
+    bad = (not math.isfinite(v) or (lo is not None and (v <= lo if lo_open else v < lo))
+           or (hi is not None and (v >= hi if hi_open else v > hi)))
+    if bad:
+        rng = (f"{'(' if lo_open else '['}{'-inf' if lo is None else lo}, "
+               f"{'inf' if hi is None else hi}{')' if hi_open or hi is None else ']'}")
+        raise ValueError(f"PolicyLossConfig.{name} must be finite and in {rng}, got {value!r}")
+    return v
+
+
+def _choice(name, value, options):
+    if value not in options:
+        raise ValueError(f"PolicyLossConfig.{name} must be one of {options}, got {value!r}")
+    return value
+
+
+def _flag(name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"PolicyLossConfig.{name} must be True or False, got {value!r}")
+    return value
+
+
+_FIELD_CHECKS = {
+    "w_act": lambda v: _num("w_act", v, lo=0.0),
+    "w_rehearse": lambda v: _num("w_rehearse", v, lo=0.0),
+    "w_observed": lambda v: _num("w_observed", v, lo=0.0),
+    "clip_low": lambda v: _num("clip_low", v, lo=0.0, hi=1.0, hi_open=True),
+    "clip_high": lambda v: _num("clip_high", v, lo=0.0),
+    "dual_clip": lambda v: _num("dual_clip", v, lo=1.0, lo_open=True, optional=True),
+    "kl_coef": lambda v: _num("kl_coef", v, lo=0.0),
+    "kl_type": lambda v: _choice("kl_type", "k3" if v == "low_var_kl" else v, KL_TYPES),
+    "entropy_coef": lambda v: _num("entropy_coef", v),
+    "temperature": lambda v: _num("temperature", v, lo=0.0, lo_open=True),
+    "importance_sampling": lambda v: _choice("importance_sampling", v, IS_LEVELS),
+    "pg_loss": lambda v: _choice("pg_loss", v, PG_LOSSES),
+    "kl_ratio": lambda v: _flag("kl_ratio", v),
+}
 
 
 @dataclass
 class PolicyLossConfig:
+    """Loss settings (formulas in the module docstring and docs/kernels.md).
+
+    Every field is checked when the config is built *and* on every later assignment
+    (`cfg.temperature = 0` raises ValueError and leaves the config unchanged).
+
+    importance_sampling: "token" (PPO/GRPO: rho_t = exp(logp_t - old_t)) or "sequence" (GSPO:
+        rho_i = exp(mean over sequence i's loss tokens of (logp - old)), shared by the sequence's
+        tokens and clipped per sequence; linear_policy_loss then needs `seq_ids`).
+    pg_loss: "ppo_clip" (clipped surrogate, + dual_clip) or "cispo" (CISPO: -sg(min(rho,
+        1 + clip_high)) * A * logp; the importance weight is clipped and detached, every token
+        keeps a gradient; clip_low and dual_clip are not used, dual_clip must be None).
+    kl_ratio: multiply the KL term by the (undetached) importance ratio rho (TRL's
+        use_bias_correction_kl); off-policy data then estimates KL(pi_theta || ref) without bias.
+    """
     w_act: float = 1.0
     w_rehearse: float = 1.0
     w_observed: float = 0.0
@@ -54,19 +128,30 @@ class PolicyLossConfig:
     kl_type: str = "k3"                # k1, k2, k3 (low-variance, Schulman)
     entropy_coef: float = 0.0
     temperature: float = 1.0
+    importance_sampling: str = "token"  # "token" | "sequence" (GSPO)
+    pg_loss: str = "ppo_clip"           # "ppo_clip" | "cispo"
+    kl_ratio: bool = False              # KL term x ratio (TRL's use_bias_correction_kl)
 
-    def __post_init__(self):
-        if self.kl_type == "low_var_kl":
-            self.kl_type = "k3"
-        if self.kl_type not in KL_TYPES:
-            raise ValueError(f"kl_type must be one of {KL_TYPES}, got {self.kl_type!r}")
-        if not (0.0 <= self.clip_low < 1.0) or self.clip_high < 0.0:
-            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got "
-                             f"clip_low={self.clip_low}, clip_high={self.clip_high}")
-        if self.dual_clip is not None and not self.dual_clip > 1.0:
-            raise ValueError(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
-        if not self.temperature > 0.0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+    def __setattr__(self, name, value):
+        check = _FIELD_CHECKS.get(name)
+        if check is None:
+            raise AttributeError(f"PolicyLossConfig has no field {name!r} "
+                                 f"(fields: {', '.join(_FIELD_CHECKS)})")
+        value = check(value)
+        had, old = name in self.__dict__, self.__dict__.get(name)
+        object.__setattr__(self, name, value)
+        if all(f in self.__dict__ for f in _FIELD_CHECKS):   # built (or being built: last field)
+            try:
+                self._check_combination()
+            except ValueError:
+                if had:
+                    object.__setattr__(self, name, old)
+                raise
+
+    def _check_combination(self):
+        if self.pg_loss == "cispo" and self.dual_clip is not None:
+            raise ValueError("PolicyLossConfig: dual_clip applies to pg_loss='ppo_clip' only "
+                             "(CISPO clips the detached weight); set dual_clip=None")
 
     def role_weights(self) -> list[float]:
         return [0.0, float(self.w_act), float(self.w_rehearse), float(self.w_observed)]
@@ -83,22 +168,47 @@ class PolicyLossOutput:
 # ---- per-token loss ----------------------------------------------------------------------------
 
 
-def token_loss(logp, ent, roles, adv, old, ref, cfg: PolicyLossConfig):
+def _rl_mask(roles):
+    return (roles == int(Role.ACT)) | (roles == int(Role.REHEARSE))
+
+
+def log_ratio(logp, old, rl, seq, cfg: PolicyLossConfig):
+    """Per-token log importance ratio, differentiable in logp (0 at non-RL tokens).
+
+    old None = on-policy: logp - logp.detach() (value 0, gradient 1: no extra pass).
+    importance_sampling "sequence": the mean of (logp - old) over the RL tokens of the token's
+    sequence (seq: dense sequence index 0..K-1 per token), broadcast back to its tokens.
+    """
+    base = logp.detach() if old is None else torch.where(rl, old, logp.detach())
+    d = torch.where(rl, logp - base, torch.zeros_like(logp))
+    if cfg.importance_sampling == "token":
+        return d
+    k = int(seq.max()) + 1 if seq.numel() else 0
+    num = torch.zeros(k, device=d.device, dtype=d.dtype).index_add(0, seq, d)
+    cnt = torch.zeros(k, device=d.device, dtype=d.dtype).index_add(0, seq, rl.to(d.dtype))
+    return (num / cnt.clamp_min(1.0))[seq]
+
+
+def token_loss(logp, ent, roles, adv, old, ref, cfg: PolicyLossConfig, seq=None):
     """Per-token loss l_t (autograd-friendly torch; the unfused path and the spec in code).
 
     Selections use torch.where so NaN inputs at tokens of another role never leak in.
     """
-    rl = (roles == int(Role.ACT)) | (roles == int(Role.REHEARSE))
+    rl = _rl_mask(roles)
     adv = torch.where(rl, adv, torch.zeros_like(adv))
-    old = torch.where(rl, old, logp.detach())
-    ratio = torch.exp(logp - old)
-    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high))
-    if cfg.dual_clip is not None:
-        pg = torch.where(adv < 0, torch.minimum(pg, -cfg.dual_clip * adv), pg)
+    ratio = torch.exp(log_ratio(logp, old, rl, seq, cfg))
+    if cfg.pg_loss == "cispo":
+        pg = -ratio.detach().clamp(max=1.0 + cfg.clip_high) * adv * logp
+    else:
+        pg = torch.maximum(-adv * ratio,
+                           -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high))
+        if cfg.dual_clip is not None:
+            pg = torch.where(adv < 0, torch.minimum(pg, -cfg.dual_clip * adv), pg)
     l_rl = pg
     if cfg.kl_coef != 0.0:
         ref = torch.where(rl, ref, logp.detach())
-        l_rl = l_rl + cfg.kl_coef * _kl(logp, ref, cfg.kl_type)
+        kl = _kl(logp, ref, cfg.kl_type)
+        l_rl = l_rl + cfg.kl_coef * (kl * ratio if cfg.kl_ratio else kl)
     if cfg.entropy_coef != 0.0:
         l_rl = l_rl - cfg.entropy_coef * ent
     obs = roles == int(Role.OBSERVED)
@@ -114,36 +224,49 @@ def _kl(logp, ref, kl_type):
     return torch.exp(d) - d - 1.0
 
 
-def _token_terms(logp, ent, roles, adv, old, ref, scale, cfg: PolicyLossConfig):
+def _token_terms(logp, ent, roles, adv, lr, ref, scale, cfg: PolicyLossConfig):
     """Fused path: per-token loss l_t and its explicit derivatives (fp32 [C] vectors).
 
+    lr: the (detached) log importance ratio per token (see log_ratio). The derivatives are
+    exact for importance_sampling="token" only (a sequence ratio couples the tokens of a
+    sequence: that level runs the autograd path; this function then only gives its stats).
     Returns (l, dl/dlogp, dl/dH or None, stats) where the derivatives already include the
     per-token factor scale_t = w_r * c_t; stats = (ratio, clipped, dual_clipped, kl).
-    Derivatives of l_pg: -A rho on the unclipped branch, 0 where clip or dual clip is active.
+    Derivatives of l_pg: ppo_clip: -A rho on the unclipped branch, 0 where clip or dual clip is
+    active; cispo: -A w with w = min(rho, 1 + clip_high) detached.
     """
-    rl = (roles == int(Role.ACT)) | (roles == int(Role.REHEARSE))
+    rl = _rl_mask(roles)
     zero = torch.zeros_like(logp)
     adv = torch.where(rl, adv, zero)
-    ratio = torch.exp(logp - torch.where(rl, old, logp))
-    pg1 = -adv * ratio
-    pg2 = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
-    clipped = pg2 > pg1
-    pg = torch.maximum(pg1, pg2)
-    d_pg = torch.where(clipped, zero, pg1)       # d(-A rho)/dlogp = -A rho
-    dual = torch.zeros_like(clipped)
-    if cfg.dual_clip is not None:
-        cap = -cfg.dual_clip * adv
-        dual = (adv < 0) & (pg > cap)
-        pg = torch.where(dual, cap, pg)
-        d_pg = torch.where(dual, zero, d_pg)
+    ratio = torch.exp(lr)
+    dual = torch.zeros_like(rl)
+    if cfg.pg_loss == "cispo":
+        wt = ratio.clamp(max=1.0 + cfg.clip_high)
+        clipped = ratio > 1.0 + cfg.clip_high
+        pg, d_pg = -wt * adv * logp, -wt * adv
+    else:
+        pg1 = -adv * ratio
+        pg2 = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+        clipped = pg2 > pg1
+        pg = torch.maximum(pg1, pg2)
+        d_pg = torch.where(clipped, zero, pg1)       # d(-A rho)/dlogp = -A rho
+        if cfg.dual_clip is not None:
+            cap = -cfg.dual_clip * adv
+            dual = (adv < 0) & (pg > cap)
+            pg = torch.where(dual, cap, pg)
+            d_pg = torch.where(dual, zero, d_pg)
     l, g1 = pg, d_pg
     kl = None
     if cfg.kl_coef != 0.0:
         d = torch.where(rl, ref, logp) - logp
         kl = _kl(logp, logp + d, cfg.kl_type)
         dkl = {"k1": torch.ones_like(d), "k2": -d, "k3": 1.0 - torch.exp(d)}[cfg.kl_type]
-        l = l + cfg.kl_coef * kl
-        g1 = g1 + cfg.kl_coef * dkl
+        if cfg.kl_ratio:                              # d(KL rho) = rho dKL + KL rho
+            l = l + cfg.kl_coef * kl * ratio
+            g1 = g1 + cfg.kl_coef * ratio * (dkl + kl)
+        else:
+            l = l + cfg.kl_coef * kl
+            g1 = g1 + cfg.kl_coef * dkl
     g2 = None
     if cfg.entropy_coef != 0.0:
         l = l - cfg.entropy_coef * ent
@@ -166,12 +289,11 @@ class _Plan:
 
 class _FusedPolicyLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, plan):
-        need_dx, need_dw = plan.need_dx, plan.need_dw
-        loss, n = _fused_sweep(x, w, plan, need_dx, need_dw)
-        ctx.save_for_backward(plan.dx if need_dx else None, plan.dw if need_dw else None)
+    def forward(ctx, x, w, b, plan):
+        loss, n = _fused_sweep(x, w, plan, plan.need_dx, plan.need_dw, plan.need_db)
+        ctx.save_for_backward(plan.dx, plan.dw, plan.db)
         ctx.used = False
-        plan.dx = plan.dw = None
+        plan.dx = plan.dw = plan.db = None
         return loss
 
     @staticmethod
@@ -181,19 +303,19 @@ class _FusedPolicyLoss(torch.autograd.Function):
                                "backpropagated once; use fused=False for retain_graph / "
                                "higher-order use")
         ctx.used = True
-        dx, dw = ctx.saved_tensors
+        grads = ctx.saved_tensors
         # grad_out is the scalar upstream gradient (1.0, or a loss scale); scale in place.
         g = grad_out.to(torch.float32)
-        if dx is not None:
-            dx.mul_(g.to(dx.dtype))
-        if dw is not None:
-            dw.mul_(g.to(dw.dtype))
-        return dx, dw, None
+        for t in grads:
+            if t is not None:
+                t.mul_(g.to(t.dtype))
+        return (*grads, None)
 
 
-def _fused_sweep(x, w, plan, need_dx, need_dw):
+def _fused_sweep(x, w, plan, need_dx, need_dw, need_db=False):
     n, v = x.shape[0], w.shape[0]
     dev = x.device
+    head = plan.head
     plan.logp = torch.empty(n, device=dev, dtype=torch.float32)
     plan.ent = torch.empty(n, device=dev, dtype=torch.float32) if plan.with_entropy else None
     plan.ratio = torch.empty(n, device=dev, dtype=torch.float32)
@@ -203,15 +325,18 @@ def _fused_sweep(x, w, plan, need_dx, need_dw):
     loss_parts = torch.zeros(NUM_ROLES, device=dev, dtype=torch.float32)
     dx = torch.empty_like(x) if need_dx else None
     dw = torch.zeros(w.shape, device=dev, dtype=torch.float32) if need_dw else None
-    grad = need_dx or need_dw
+    db = torch.zeros(v, device=dev, dtype=torch.float32) if need_db else None
+    grad = need_dx or need_dw or need_db
     inv_temp = plan.inv_temp
     # torch backend without entropy: dZ = diag(g1) (onehot - E / S) with E = exp(s - m), so
     # the chunk needs only amax, sub_, exp_, sum; -g1 / S scales the [C, H] operands instead.
-    fast = plan.backend == "torch" and not plan.with_entropy
+    # (Not with an LM-head variant: the head transform sits between the GEMM and the rows.)
+    fast = plan.backend == "torch" and not plan.with_entropy and head is None
     w32 = (w if w.dtype == torch.float32 else w.float()) if fast else None
     for s in range(0, n, plan.chunk):
         e = min(n, s + plan.chunk)
-        x_c, t_c = x[s:e], plan.t[s:e]
+        x_c, t_c, r_c = x[s:e], plan.t[s:e], plan.roles[s:e]
+        z_pre = None
         if fast:
             xs = x_c.float() if inv_temp == 1.0 else x_c.float() * inv_temp    # x / T
             z = torch.mm(xs, w32.t())
@@ -221,12 +346,16 @@ def _fused_sweep(x, w, plan, need_dx, need_dw):
             lse = m + torch.log(sum_e)
             lp, h = s_t - lse, None
         else:
-            z = mm_f32(x_c, w.t())
+            z, z_pre = head_logits(x_c, w, head, plan.backend)
             lp, h, lse = row_stats(z, t_c, inv_temp, plan.with_entropy, plan.backend)
+        if plan.old is None:                                 # on-policy: ratio exactly 1
+            lr = torch.zeros_like(lp)
+        else:
+            lr = torch.where(_rl_mask(r_c), lp - plan.old[s:e], torch.zeros_like(lp))
         l, g1, g2, (ratio, clipped, dual, kl) = _token_terms(
-            lp, h, plan.roles[s:e], plan.adv[s:e], plan.old[s:e],
-            None if plan.ref is None else plan.ref[s:e], plan.scale[s:e], plan.cfg)
-        loss_parts.index_add_(0, plan.roles[s:e], l * plan.scale[s:e])
+            lp, h, r_c, plan.adv[s:e], lr, None if plan.ref is None else plan.ref[s:e],
+            plan.scale[s:e], plan.cfg)
+        loss_parts.index_add_(0, r_c, l * plan.scale[s:e])
         plan.logp[s:e] = lp
         if plan.ent is not None:
             plan.ent[s:e] = h
@@ -244,10 +373,11 @@ def _fused_sweep(x, w, plan, need_dx, need_dw):
                 dw.index_add_(0, t_c, xs * g1c)
         elif grad:
             chunk_grad(x_c, w, z, t_c, lse, h, g1, g2, inv_temp, plan.backend,
-                       None if dx is None else dx[s:e], dw)
-        del z
+                       None if dx is None else dx[s:e], dw, head, z_pre, db)
+        del z, z_pre
     plan.dx = dx
     plan.dw = None if dw is None else dw.to(w.dtype)
+    plan.db = None if db is None else db.to(head.bias_dtype)
     plan.loss_parts = loss_parts
     return loss_parts.sum(), n
 
@@ -283,20 +413,63 @@ def _role_counts(roles):
     return counts[:NUM_ROLES]
 
 
+def _normalizer_value(where: str, value) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ValueError(f"{where} must be a number, got {value!r}")
+    v = float(value)
+    if not (math.isfinite(v) and v >= 0.0):
+        raise ValueError(f"{where} = {value!r}: must be a finite number >= 0")
+    return v
+
+
 def _normalizers(normalizers, counts, weights):
+    """Per-role n_r from a Mapping {Role or role id: n_r} (read by key; a missing role is 0) or
+    a length-NUM_ROLES sequence / 1-D tensor indexed by role id. Refused: other keys or
+    containers, wrong length, non-finite or negative values, 0 for a weighted role with tokens."""
     if normalizers is None:
         return [float(c) for c in counts]
-    if isinstance(normalizers, torch.Tensor):
-        normalizers = normalizers.detach().reshape(-1).double().cpu().tolist()
-    normalizers = [float(v) for v in normalizers]
-    if len(normalizers) != NUM_ROLES:
-        raise ValueError(f"normalizers must have one entry per Role ({NUM_ROLES}), "
-                         f"got {len(normalizers)}")
+    if isinstance(normalizers, Mapping):
+        norms = [0.0] * NUM_ROLES
+        for key, val in normalizers.items():
+            if isinstance(key, bool) or not isinstance(key, Integral) \
+                    or not 0 <= int(key) < NUM_ROLES:
+                raise ValueError(f"normalizers keys must be Role members or role ids 0..{NUM_ROLES - 1}"
+                                 f" ({', '.join(r.name for r in Role)}), got {key!r}")
+            norms[int(key)] = _normalizer_value(f"normalizers[{Role(int(key)).name}]", val)
+    else:
+        if isinstance(normalizers, torch.Tensor):
+            if normalizers.dim() != 1 or normalizers.is_complex() or normalizers.dtype == torch.bool:
+                raise ValueError(f"normalizers tensor must be a 1-D real tensor of length "
+                                 f"{NUM_ROLES}, got {normalizers.dtype} of shape "
+                                 f"{tuple(normalizers.shape)}")
+            normalizers = normalizers.detach().double().cpu().tolist()
+        elif isinstance(normalizers, (str, bytes)) or not isinstance(normalizers, Sequence):
+            raise ValueError(f"normalizers must be a Mapping {{Role: count}}, a length-{NUM_ROLES} "
+                             f"sequence indexed by role id, a 1-D tensor, or None; got "
+                             f"{type(normalizers).__name__}")
+        if len(normalizers) != NUM_ROLES:
+            raise ValueError(f"normalizers must have one entry per Role ({NUM_ROLES}: "
+                             f"{', '.join(r.name for r in Role)}), got {len(normalizers)}")
+        norms = [_normalizer_value(f"normalizers[{r}] ({Role(r).name})", val)
+                 for r, val in enumerate(normalizers)]
     for r in range(1, NUM_ROLES):
-        if weights[r] != 0.0 and counts[r] > 0 and not normalizers[r] > 0.0:
-            raise ValueError(f"normalizers[{r}] ({Role(r).name}) = {normalizers[r]} but this "
+        if weights[r] != 0.0 and counts[r] > 0 and not norms[r] > 0.0:
+            raise ValueError(f"normalizers[{r}] ({Role(r).name}) = {norms[r]} but this "
                              f"call has {counts[r]} {Role(r).name} tokens: must be > 0")
-    return normalizers
+    return norms
+
+
+def _dense_seq_ids(seq_ids, rows, n, dev):
+    """Compacted rows' sequence ids renumbered 0..K-1 (any integer ids may be given)."""
+    if not isinstance(seq_ids, torch.Tensor) or seq_ids.dim() != 1 or seq_ids.shape[0] != n:
+        raise ValueError(f"seq_ids must be a tensor of shape [N]=[{n}]")
+    if seq_ids.is_floating_point() or seq_ids.is_complex() or seq_ids.dtype == torch.bool \
+            or seq_ids.device != dev:
+        raise ValueError(f"seq_ids must be an integer tensor on {dev}, got {seq_ids.dtype} on "
+                         f"{seq_ids.device}")
+    return torch.unique(seq_ids.index_select(0, rows), return_inverse=True)[1]
 
 
 def _check_finite(rows_roles, named, rows):
@@ -317,32 +490,45 @@ def _check_finite(rows_roles, named, rows):
 
 
 def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                       roles: torch.Tensor, advantages: torch.Tensor, old_logp: torch.Tensor,
+                       roles: torch.Tensor, advantages: torch.Tensor,
+                       old_logp: torch.Tensor | None,
                        config: PolicyLossConfig | None = None, *,
                        ref_logp: torch.Tensor | None = None,
-                       normalizers: torch.Tensor | Sequence[float] | None = None,
+                       normalizers: Mapping | Sequence[float] | torch.Tensor | None = None,
                        token_weights: torch.Tensor | None = None, backend: str = "auto",
                        fused: bool = True, with_entropy: bool = False,
                        check_finite: bool = True,
-                       chunk_size: int | None = None) -> PolicyLossOutput:
-    """Role-wise GRPO loss of the tokens `targets` under softmax(hidden @ weight.T / T).
+                       chunk_size: int | None = None, bias: torch.Tensor | None = None,
+                       logit_softcap: float | None = None, logit_scale: float | None = None,
+                       seq_ids: torch.Tensor | None = None) -> PolicyLossOutput:
+    """Role-wise GRPO loss of the tokens `targets` under softmax(head(hidden @ weight.T) / T).
 
     Args:
         hidden [N, H], weight [V, H], targets [N]: as in `linear_logprobs`.
         roles: [N] integer Role ids (role of each *target* token).
-        advantages, old_logp: [N] float; read at ACT/REHEARSE tokens only (NaN elsewhere is fine).
+        advantages: [N] float; read at ACT/REHEARSE tokens only (NaN elsewhere is fine).
+        old_logp: [N] float behaviour log-probs (read at ACT/REHEARSE tokens only), or None for
+            on-policy: ratio = exp(logp - logp.detach()) = 1 with the policy gradient, no extra pass.
         config: PolicyLossConfig (default: PolicyLossConfig()).
         ref_logp: [N] float, required when config.kl_coef != 0.
-        normalizers: per-role token counts n_r, length NUM_ROLES (index = Role id), e.g. global
-            counts all-reduced over ranks and summed over micro-batches. Default: this call's
-            counts.
+        normalizers: per-role token counts n_r, e.g. global counts all-reduced over ranks and
+            summed over micro-batches: a Mapping {Role.ACT: n, ...} (keys Role or role id; a
+            missing role is 0) or a length-NUM_ROLES sequence / 1-D tensor indexed by role id.
+            Default: this call's counts.
         token_weights: [N] float per-token c_t replacing 1/n_r (see module docstring).
         fused: one-pass fused kernel (True) or linear_logprobs + torch loss (False, reference).
+            importance_sampling="sequence" always runs the latter (a sequence's ratio needs all
+            its tokens' log-probs before any gradient).
         with_entropy: compute the entropy even when entropy_coef == 0 (for metrics).
         check_finite: raise ValueError on NaN/inf advantages/old_logp/ref_logp/token_weights at
             loss-bearing tokens (one reduction + sync; disable in hot loops if inputs are trusted).
+        bias, logit_softcap, logit_scale: LM-head variants, as in `linear_logprobs`.
+        seq_ids: [N] integer sequence id of each token; required by
+            importance_sampling="sequence" (each sequence must lie wholly in this call).
     """
     cfg = PolicyLossConfig() if config is None else config
+    if not isinstance(cfg, PolicyLossConfig):
+        raise ValueError(f"config must be a PolicyLossConfig, got {type(cfg).__name__}")
     check_linear_inputs(hidden, weight, targets)
     n, v, dev = hidden.shape[0], weight.shape[0], hidden.device
     if not isinstance(roles, torch.Tensor) or roles.dim() != 1 or roles.shape[0] != n:
@@ -351,10 +537,17 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
         raise ValueError(f"roles must be an integer tensor on {dev}, got {roles.dtype} "
                          f"on {roles.device}")
     _check_vec("advantages", advantages, n, dev)
-    _check_vec("old_logp", old_logp, n, dev)
+    _check_vec("old_logp", old_logp, n, dev, required=False)
     _check_vec("ref_logp", ref_logp, n, dev, required=cfg.kl_coef != 0.0)
     _check_vec("token_weights", token_weights, n, dev, required=False)
+    seq_level = cfg.importance_sampling == "sequence"
+    if seq_level and seq_ids is None:
+        raise ValueError("importance_sampling='sequence' (GSPO) needs seq_ids: an [N] integer "
+                         "tensor giving each token's sequence")
     backend = resolve_backend(backend, dev)
+    head, inv_temp = build_head(bias, logit_softcap, logit_scale, weight,
+                                1.0 / float(cfg.temperature))
+    head_kw = dict(bias=bias, logit_softcap=logit_softcap, logit_scale=logit_scale)
 
     weights = cfg.role_weights()
     counts = _role_counts(roles)
@@ -365,6 +558,7 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
     r_c = roles_l.index_select(0, rows)
     t_c = targets.index_select(0, rows)
     check_targets(t_c, rows, v)
+    seq_c = _dense_seq_ids(seq_ids, rows, n, dev) if seq_level else None
     pick = lambda t: None if t is None else t.index_select(0, rows).float()  # noqa: E731
     adv_c, old_c, ref_c, tw_c = (pick(advantages), pick(old_logp),
                                  pick(ref_logp if cfg.kl_coef != 0.0 else None),
@@ -379,18 +573,20 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
     else:
         scale = w_vec[r_c] * tw_c
     with_ent = bool(with_entropy) or cfg.entropy_coef != 0.0
-    inv_temp = 1.0 / float(cfg.temperature)
     x_c = hidden.index_select(0, rows)
 
-    if fused:
+    if fused and not seq_level:
         plan = _Plan(t=t_c.long().contiguous(), roles=r_c, adv=adv_c, old=old_c, ref=ref_c,
                      scale=scale, cfg=cfg, inv_temp=inv_temp, with_entropy=with_ent,
-                     backend=backend, chunk=chunk_rows(rows.numel(), v, dev, chunk_size))
+                     backend=backend, head=head,
+                     chunk=chunk_rows(rows.numel(), v, dev, chunk_size))
         grad_on = torch.is_grad_enabled()
         plan.need_dx = grad_on and hidden.requires_grad
         plan.need_dw = grad_on and weight.requires_grad
-        if plan.need_dx or plan.need_dw:
-            loss = _FusedPolicyLoss.apply(x_c.contiguous(), weight.contiguous(), plan)
+        plan.need_db = grad_on and head is not None and bias is not None and bias.requires_grad
+        b = bias if head is not None else None
+        if plan.need_dx or plan.need_dw or plan.need_db:
+            loss = _FusedPolicyLoss.apply(x_c.contiguous(), weight.contiguous(), b, plan)
         else:
             loss, _ = _fused_sweep(x_c.contiguous(), weight.contiguous(), plan, False, False)
         lp_c, ent_c, kl_c = plan.logp, plan.ent, plan.kl
@@ -399,14 +595,15 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
     else:
         lp_c, ent_c = linear_logprobs(x_c, weight, t_c, temperature=cfg.temperature,
                                       with_entropy=with_ent, backend=backend,
-                                      chunk_size=chunk_size)
-        l = token_loss(lp_c, ent_c, r_c, adv_c, old_c, ref_c, cfg)
+                                      chunk_size=chunk_size, **head_kw)
+        l = token_loss(lp_c, ent_c, r_c, adv_c, old_c, ref_c, cfg, seq_c)
         contrib = l * scale
         loss = contrib.sum()
         with torch.no_grad():
+            lp_d = lp_c.detach()
+            lr = log_ratio(lp_d, old_c, _rl_mask(r_c), seq_c, cfg)
             _, _, _, (ratio, clipped, dual, kl_c) = _token_terms(
-                lp_c.detach(), None if ent_c is None else ent_c.detach(), r_c, adv_c, old_c,
-                ref_c, scale, PolicyLossConfig(**{**cfg.__dict__, "entropy_coef": 0.0}))
+                lp_d, None, r_c, adv_c, lr, ref_c, scale, replace(cfg, entropy_coef=0.0))
             parts = torch.zeros(NUM_ROLES, device=dev).index_add_(0, r_c, contrib.detach())
         lp_c = lp_c.detach()
         ent_c = None if ent_c is None else ent_c.detach()

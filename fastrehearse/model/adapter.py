@@ -7,6 +7,8 @@ the head weight from lm_head_weight().
 """
 from __future__ import annotations
 
+import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -32,21 +34,122 @@ def base_model(model: nn.Module) -> nn.Module:
     return inner
 
 
+# How transformers' CausalLM forwards turn the lm_head output into logits, by model_type (checked
+# against transformers 5.x sources): Cohere multiplies by config.logit_scale, Granite divides by
+# config.logits_scaling, Gemma 2/3 soft-cap with config.final_logit_softcapping (after the scale,
+# if a model had both). The kernels express exactly: z = a (x W^T + b); z = c tanh(z / c).
+_SCALE_MUL = {"cohere": "logit_scale", "cohere2": "logit_scale", "cohere2_moe": "logit_scale"}
+_SCALE_DIV = {"granite": "logits_scaling", "granitemoe": "logits_scaling",
+              "granitemoeshared": "logits_scaling", "granitemoehybrid": "logits_scaling"}
+_SOFTCAP = {"gemma2", "gemma3", "gemma3_text"}
+# Config keys that change the logits in some transformers model. Set to a non-trivial value on a
+# model_type not listed above they are refused: we do not know where that model applies them.
+_HEAD_KEYS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0,
+              "lm_head_multiplier": 1.0, "output_multiplier": 1.0}
+# Settings inside the decoder that the packed varlen attention does not implement.
+_ATTN_KEYS = ("attn_logit_softcapping",)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.model if isinstance(model, RehearsalModel) else model
+
+
+def _head_module(model: nn.Module) -> nn.Module:
+    head = model.get_output_embeddings()
+    return model.get_input_embeddings() if head is None else head  # tied, without a head module
+
+
+def head_settings(model: nn.Module) -> dict[str, float]:
+    """{'logit_scale': a, 'logit_softcap': c} from the HF config (only the entries that are set).
+
+    Raises ValueError naming the setting when the model transforms its logits in a way the
+    kernels cannot express (or that fastrehearse does not know how this model applies).
+    """
+    model = _unwrap(model)
+    cfg = model.config
+    mtype = getattr(cfg, "model_type", "?")
+    out: dict[str, float] = {}
+    handled = set()
+    if mtype in _SCALE_MUL or mtype in _SCALE_DIV:
+        key = _SCALE_MUL.get(mtype) or _SCALE_DIV[mtype]
+        val = getattr(cfg, key, None)
+        handled.add(key)
+        if val is not None and float(val) != 1.0:
+            if not (math.isfinite(float(val)) and float(val) != 0.0):
+                raise ValueError(f"{mtype} config has {key}={val}: cannot score log-probs with it")
+            out["logit_scale"] = float(val) if mtype in _SCALE_MUL else 1.0 / float(val)
+    if mtype in _SOFTCAP:
+        handled.add("final_logit_softcapping")
+        cap = getattr(cfg, "final_logit_softcapping", None)
+        if cap is not None:
+            if not (math.isfinite(float(cap)) and float(cap) > 0.0):
+                raise ValueError(f"{mtype} config has final_logit_softcapping={cap}: must be > 0")
+            out["logit_softcap"] = float(cap)
+    for key, neutral in _HEAD_KEYS.items():
+        val = getattr(cfg, key, None)
+        if key in handled or val is None or (neutral is not None and val == neutral):
+            continue
+        raise ValueError(
+            f"{type(model).__name__} ({mtype}) config sets {key}={val!r}, which changes its logits "
+            f"in a way fastrehearse's LM-head kernels do not know for this model type; refusing it "
+            f"rather than training on wrong log-probs")
+    for key in _ATTN_KEYS:
+        if getattr(cfg, key, None) is not None:
+            raise ValueError(
+                f"{type(model).__name__} ({mtype}) config sets {key}={getattr(cfg, key)!r}: the "
+                f"packed varlen attention ({ATTN_IMPL}) does not implement it; refusing the model "
+                f"rather than computing wrong hidden states")
+    return out
+
+
+def check_lm_head(model: nn.Module) -> None:
+    """Refuse (ValueError naming the setting) a model whose logits the kernels cannot reproduce.
+    Call it right after loading; RehearsalModel and token_logprobs call it too."""
+    head_settings(model)
+
+
+def head_kwargs(model: nn.Module) -> dict[str, Any]:
+    """Keyword arguments for fastrehearse.kernels (bias, logit_scale, logit_softcap) that make the
+    kernels compute this model's own logits; {} for a plain linear head. Read it inside the FSDP
+    root module's forward (as the weight) so the bias is the unsharded tensor."""
+    model = _unwrap(model)
+    kw: dict[str, Any] = dict(head_settings(model))
+    bias = getattr(_head_module(model), "bias", None)
+    if bias is not None:
+        kw["bias"] = bias
+    return kw
+
+
 def lm_head_weight(model: nn.Module) -> torch.Tensor:
     """The [V, H] LM-head weight (the input embedding when the model ties them).
 
     Under FSDP2 read it inside the root module's forward (RehearsalModel.forward does), where it is
-    the unsharded plain tensor, not a DTensor shard.
+    the unsharded plain tensor, not a DTensor shard. A model whose head is more than this weight
+    (a bias, a logit scale or soft-cap) is refused here: use head_kwargs(model) next to it.
     """
-    if isinstance(model, RehearsalModel):
-        model = model.model
-    head = model.get_output_embeddings()
-    if head is None:  # tied embeddings without an explicit head module
-        head = model.get_input_embeddings()
-    w = head.weight
-    if getattr(head, "bias", None) is not None:
-        raise ValueError(f"{type(model).__name__}'s LM head has a bias; the fused kernels support weight only")
-    return w
+    model = _unwrap(model)
+    kw = head_kwargs(model)
+    if kw:
+        raise ValueError(f"{type(model).__name__}'s LM head is not just a weight "
+                         f"({_describe(kw)}): pass fastrehearse.model.head_kwargs(model) to the "
+                         f"kernels together with the weight")
+    return _head_module(model).weight
+
+
+def _describe(kw: dict[str, Any]) -> str:
+    return ", ".join("a bias" if k == "bias" else f"{k}={v}" for k, v in kw.items())
+
+
+def _accepts_head_kwargs(fn: Callable, names) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return True
+    names_ok = {p.name for p in params if p.kind in (inspect.Parameter.KEYWORD_ONLY,
+                                                    inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+    return set(names) <= names_ok
 
 
 def _check_attn(model: nn.Module) -> None:
@@ -92,14 +195,16 @@ def token_logprobs(model: nn.Module, batch: PackedBatch, *, all_tokens: bool = F
     """[T] float32 log p(targets[t] | tokens <= t of the same episode) via the fused kernel.
 
     Only loss-bearing positions (target role != CONTEXT) are computed unless all_tokens; the others
-    are exactly 0 (they cost no vocabulary projection).
+    are exactly 0 (they cost no vocabulary projection). The model's head settings (bias, logit
+    scale, final soft-cap) are applied as its own forward does (see head_kwargs).
     """
     from fastrehearse.kernels import linear_logprobs
+    head = head_kwargs(model)            # refuses a head the kernels cannot express
     h = hidden_states(model, batch)
-    w = lm_head_weight(model)
+    w = _head_module(_unwrap(model)).weight
     mask = loss_mask(batch, all_tokens=all_tokens).to(h.device)
     logp, _ = linear_logprobs(h, w, batch.targets.to(h.device), mask=mask, temperature=temperature,
-                              backend=backend)
+                              backend=backend, **head)
     return logp
 
 
@@ -112,13 +217,15 @@ class RehearsalModel(nn.Module):
         out = model(batch, lambda h, w: linear_policy_loss(h, w, ...))
 
     Inside forward the root FSDP unit's parameters (embedding, final norm, LM head) are gathered,
-    so `head_fn` receives the LM-head weight as a plain tensor. With head_fn=None forward returns
+    so `head_fn` receives the LM-head weight as a plain tensor (and, for a head with a bias, logit
+    scale or soft-cap, those as keyword arguments: see forward). With head_fn=None forward returns
     the [T, H] hidden states.
     """
 
     def __init__(self, hf_model: nn.Module, *, activation_checkpointing: bool = False):
         super().__init__()
         from .attention import use_varlen_attention
+        check_lm_head(hf_model)   # refuse an inexpressible head now, not mid-training
         self.model = hf_model
         use_varlen_attention(hf_model)
         if activation_checkpointing:
@@ -160,8 +267,21 @@ class RehearsalModel(nn.Module):
         return lm_head_weight(self.model)
 
     def forward(self, batch: PackedBatch,
-                head_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None = None) -> Any:
+                head_fn: Callable[..., Any] | None = None) -> Any:
+        """head_fn(hidden, weight) for a plain linear head; head_fn(hidden, weight, **head) when the
+        model's head has a bias / logit scale / soft-cap (head = head_kwargs(model), to be passed on
+        to the fastrehearse.kernels call). A head_fn that cannot take them is refused."""
         h = hidden_states(self.model, batch)
         if head_fn is None:
             return h
-        return head_fn(h, lm_head_weight(self.model))
+        head = head_kwargs(self.model)
+        weight = _head_module(self.model).weight
+        if not head:
+            return head_fn(h, weight)
+        if not _accepts_head_kwargs(head_fn, head):
+            raise ValueError(
+                f"{type(self.model).__name__}'s LM head has {_describe(head)}, but head_fn does not "
+                f"accept the keyword arguments {sorted(head)}: write it as "
+                f"`lambda h, w, **head: <kernel>(h, w, ..., **head)` so the kernel scores this "
+                f"model's real logits")
+        return head_fn(h, weight, **head)

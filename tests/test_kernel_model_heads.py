@@ -1,0 +1,152 @@
+"""fastrehearse.model reads the LM-head settings of real transformers classes (Gemma2's
+final_logit_softcapping, Cohere's logit_scale, Granite's logits_scaling, an lm_head bias) and the
+kernels then reproduce the model's own logits' log_softmax (fp32, 1e-5); heads it cannot express
+are refused when the model is wrapped, naming the setting."""
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from fastrehearse.data import Episode
+from fastrehearse.kernels import linear_logprobs
+from fastrehearse.model import (RehearsalModel, build_tiny_model, check_lm_head, head_kwargs,
+                                lm_head_weight, token_logprobs, use_varlen_attention)
+from fastrehearse.packing import build_packed_batch
+
+VOCAB = 300
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny_gemma2(**kw):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    cfg = Gemma2Config(**COMMON, final_logit_softcapping=kw.pop("cap", 3.0),
+                       attn_logit_softcapping=kw.pop("attn_cap", None),
+                       layer_types=["full_attention"] * 2, **kw)
+    return Gemma2ForCausalLM(cfg)
+
+
+def tiny_cohere():
+    from transformers import CohereConfig, CohereForCausalLM
+    return CohereForCausalLM(CohereConfig(**COMMON, logit_scale=0.25))
+
+
+def tiny_granite():
+    from transformers import GraniteConfig, GraniteForCausalLM
+    return GraniteForCausalLM(GraniteConfig(**COMMON, logits_scaling=4.0))
+
+
+def tiny_qwen2_bias():
+    model = build_tiny_model("qwen2", vocab_size=VOCAB, seed=0)
+    old = model.lm_head
+    model.lm_head = nn.Linear(old.in_features, old.out_features, bias=True)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(old.weight)
+        model.lm_head.bias.normal_(0.0, 2.0)
+    return model
+
+
+MODELS = {"gemma2": (tiny_gemma2, {"logit_softcap": 3.0}),
+          "cohere": (tiny_cohere, {"logit_scale": 0.25}),
+          "granite": (tiny_granite, {"logit_scale": 0.25}),
+          "qwen2_bias": (tiny_qwen2_bias, {"bias"})}
+
+
+def _prepare(name):
+    torch.manual_seed(0)
+    model = MODELS[name][0]().float().eval()
+    with torch.no_grad():   # logits of order 10: a soft-cap of 3 / a scale of 0.25 matter a lot
+        model.get_output_embeddings().weight.normal_(0.0, 1.0)
+    return model
+
+
+def _eager_reference(model, ids):
+    """log p(ids[t+1] | ids[:t+1]) from the model's own forward (its own head code), float64 softmax."""
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        logits = model(input_ids=ids.view(1, -1), use_cache=False).logits[0].double()
+    return torch.log_softmax(logits, -1)[:-1].gather(-1, ids[1:, None])[:, 0]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_kernels_reproduce_model_logits(name, backend):
+    model = _prepare(name)
+    kw = head_kwargs(model)
+    expected = MODELS[name][1]
+    assert (set(kw) == expected if isinstance(expected, set) else kw == expected), kw
+    ids = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(1))
+    ref = _eager_reference(model, ids)
+    with torch.no_grad():
+        h = model.model(input_ids=ids.view(1, -1), use_cache=False).last_hidden_state[0]
+        w = model.get_output_embeddings().weight
+        lp, _ = linear_logprobs(h[:-1], w, ids[1:], backend=backend, **kw)
+        plain, _ = linear_logprobs(h[:-1], w, ids[1:], backend=backend)
+    assert float((lp.double() - ref).abs().max()) <= 1e-5
+    assert float((plain.double() - ref).abs().max()) > 1e-2   # the setting really matters here
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_packed_token_logprobs_and_rehearsal_model_use_the_head(name):
+    """The adapter's own paths (token_logprobs, RehearsalModel.forward with a head_fn taking
+    **head) on a packed row of two episodes == each episode through the model's own forward."""
+    model = _prepare(name)
+    rng = random.Random(2)
+    eps = [Episode(input_ids=[rng.randrange(3, VOCAB) for _ in range(n)],
+                   roles=[rng.choice([0, 1, 2, 3]) for _ in range(n)], task_id=f"t{i}")
+           for i, n in enumerate((17, 23))]
+    batch = build_packed_batch(eps, [0, 1])
+    ref = torch.cat([_eager_reference(model, torch.tensor(e.input_ids)) for e in eps])
+    keep = torch.ones(batch.num_tokens, dtype=torch.bool)
+    keep[batch.cu_seqlens[1:].long() - 1] = False        # last token of each episode: no target
+    use_varlen_attention(model)
+    with torch.no_grad():
+        lp = token_logprobs(model, batch, all_tokens=True, backend="torch")
+    assert float((lp[keep].double() - ref).abs().max()) <= 1e-5
+    wrapped = RehearsalModel(model)
+    with torch.no_grad():
+        lp2 = wrapped(batch, lambda h, w, **head: linear_logprobs(
+            h, w, batch.targets, mask=keep, backend="torch", **head)[0])
+    assert float((lp2[keep].double() - ref).abs().max()) <= 1e-5
+
+
+def test_bias_gradient_through_rehearsal_model_matches_model_forward():
+    model = _prepare("qwen2_bias")
+    ids = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(4))
+    model.set_attn_implementation("eager")
+    logits = model(input_ids=ids.view(1, -1), use_cache=False).logits[0]
+    torch.log_softmax(logits.float(), -1)[:-1].gather(-1, ids[1:, None]).sum().backward()
+    ref_db = model.lm_head.bias.grad.clone()
+    model.zero_grad()
+    wrapped = RehearsalModel(model)
+    batch = build_packed_batch([Episode(input_ids=ids.tolist(), roles=[1] * 30, task_id="t")], [0])
+    keep = torch.ones(30, dtype=torch.bool)
+    keep[-1] = False
+    out = wrapped(batch, lambda h, w, **head: linear_logprobs(h, w, batch.targets, mask=keep,
+                                                              backend="torch", **head)[0].sum())
+    out.backward()
+    assert torch.allclose(model.lm_head.bias.grad, ref_db, atol=1e-5, rtol=1e-5)
+
+
+def test_inexpressible_heads_refused_naming_the_setting():
+    gemma = tiny_gemma2(attn_cap=50.0)
+    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0"):
+        RehearsalModel(gemma)
+    llama = build_tiny_model("llama", vocab_size=VOCAB, seed=0)
+    llama.config.logit_scale = 2.0          # a head key on a model type we do not know it for
+    with pytest.raises(ValueError, match="logit_scale=2.0"):
+        check_lm_head(llama)
+    llama.config.logit_scale = 1.0          # neutral values are fine
+    check_lm_head(llama)
+    cohere = _prepare("cohere")
+    use_varlen_attention(cohere)
+    wrapped = RehearsalModel(cohere)
+    batch = build_packed_batch([Episode(input_ids=[5, 6, 7], roles=[1, 1, 1], task_id="t")], [0])
+    with pytest.raises(ValueError, match=r"logit_scale=0.25.*does not accept the keyword"):
+        wrapped(batch, lambda h, w: linear_logprobs(h, w, batch.targets)[0])
+    with pytest.raises(ValueError, match="not just a weight"):
+        lm_head_weight(cohere)
