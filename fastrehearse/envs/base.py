@@ -1,8 +1,44 @@
-"""The environment interface shared by the builtin suite, BFCL v4 multi-turn and tau2-bench.
+"""The environment protocol: everything an episode driver may ask of an environment, in one place.
 
-One `ToolEnv` instance is one episode's world: `reset(task)` starts it, `execute(call)` runs real
+One `ToolEnv` instance is one episode's world. `reset(task)` starts it, `execute(call)` runs real
 tool calls against it, `score(task, trajectory)` grades task success in [0, 1]. Rollouts create one
-instance per episode (`suite.make_env()`), so episodes never share state.
+instance per episode (`suite.make_env()`), so episodes never share state. The episode driver is
+`fastrehearse.rollout.RolloutEngine` (training, evaluation and test-time rehearsal alike); it reads
+only the members declared below, never anything else (no `getattr` probing).
+
+Required: `reset`, `execute`, `score`.
+Optional, with the defaults of this class (override what the environment needs):
+
+  tools               the tool schemas visible *now*, or None (the default) for "the ones `reset`
+                      returned, unchanged". Read by the driver after every user turn: an env whose
+                      tools change mid-task (BFCL miss_func adds held-out functions) keeps it current.
+  next_user_message(reply)
+                      the next user turn after the agent ended its turn with `reply` (an assistant
+                      message without tool calls): a user message dict, or None when the task is
+                      over. Default None (single user turn: builtin, tau2 solo). Scripted turns
+                      (BFCL multi-turn) ignore `reply`; a user simulator (tau2 conversational) answers
+                      it. May raise when the simulator is unreachable: the driver records an error.
+  finished            True once the agent has ended the task itself (tau2's `done` stop tool); the
+                      driver ends the episode after the turn in which it turned True. Default False.
+  control_tools       names of tools that control the episode rather than query the world (tau2's
+                      `done`): always executed for real, never rehearsed. Default empty.
+  validates_calls     True when `execute` judges calls itself (tool name and arguments): the driver
+                      then checks only the syntax of a call and leaves the rest to the environment
+                      (BFCL: its executor runs any function of the involved classes -- its ground
+                      truth calls a miss_func function before the turn that reveals it -- and does
+                      not enforce declared types, which its ground truth also relies on). Default
+                      False: the driver also checks the name against the visible tools and the
+                      arguments against the tool's JSON schema (a failing call is malformed).
+  grades_calls_only   True for single-turn tasks graded on the calls themselves (BFCL AST
+                      categories): the episode is exactly one policy turn, nothing is executed, and
+                      `score` reads the turn (its "raw_text" holds what the model wrote).
+  drift_stats()       per-episode counters of a response-perturbing wrapper (eval/drift.py's
+                      DriftEnv); {} by default. The driver copies a non-empty dict into the
+                      episode's metadata["drift"].
+  close()             free per-episode resources (BFCL caches instances in module globals).
+
+A wrapper (DriftEnv) must forward every member it does not change to the wrapped env explicitly:
+the defaults here would otherwise shadow the inner env's behaviour.
 
 Messages use the OpenAI chat shape that `tokenizer.apply_chat_template` accepts:
   {"role": "system"|"user"|"assistant"|"tool", "content": str,
@@ -36,7 +72,7 @@ class Task:
     id: str
     split: str                      # "train" | "test" (builtin) or the benchmark's category
     payload: dict[str, Any]         # env-specific (seed, difficulty, BFCL entry, tau2 task, ...)
-    gold: list[dict] | None = None  # gold trajectory as assistant/tool messages, when known
+    gold: list[dict] | None = None  # gold trajectory as assistant/tool(/user) messages, when known
 
 
 @dataclass
@@ -47,14 +83,21 @@ class ResetResult:
 
 @dataclass
 class Trajectory:
-    """What the agent did: every message after the initial ones, plus the calls made for real."""
+    """What the agent did: every message after the initial ones (later user turns included), plus
+    the calls made for real."""
     messages: list[dict] = field(default_factory=list)
     real_calls: list[ToolCall] = field(default_factory=list)
     final_answer: str | None = None
 
 
 class ToolEnv(ABC):
-    """One episode's world."""
+    """One episode's world (the protocol is described in the module docstring)."""
+
+    tools: list[dict] | None = None
+    finished: bool = False
+    control_tools: frozenset[str] = frozenset()
+    validates_calls: bool = False
+    grades_calls_only: bool = False
 
     @abstractmethod
     def reset(self, task: Task) -> ResetResult: ...
@@ -67,8 +110,15 @@ class ToolEnv(ABC):
     def score(self, task: Task, trajectory: Trajectory) -> float:
         """Task success in [0, 1]."""
 
+    def next_user_message(self, reply: dict | None = None) -> dict | None:
+        """The user's next turn after the agent's text reply, or None: the task is over."""
+        return None
+
+    def drift_stats(self) -> dict[str, int]:
+        return {}
+
     def close(self) -> None:
-        """Free per-episode resources (BFCL caches instances in module globals, for example)."""
+        """Free per-episode resources."""
 
 
 class Suite(ABC):

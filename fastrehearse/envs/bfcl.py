@@ -66,7 +66,8 @@ def resolve_category(split: str) -> str:
     cat = CATEGORY_ALIASES.get(split, split)
     if cat not in bfcl_compat.MULTI_TURN_CATEGORIES:
         raise ValueError(f"split: unknown BFCL multi-turn category {split!r}; "
-                         f"use one of {list(bfcl_compat.MULTI_TURN_CATEGORIES)} or {list(CATEGORY_ALIASES)}")
+                         f"use one of {list(bfcl_compat.MULTI_TURN_CATEGORIES)}, {list(CATEGORY_ALIASES)} "
+                         "or multi_turn (all four)")
     return cat
 
 
@@ -220,7 +221,13 @@ def _turn_message(turn: list[dict], added_docs: list[dict]) -> dict:
 # Environment
 # ---------------------------------------------------------------------------------------------
 class BfclEnv(ToolEnv):
-    """One BFCL multi-turn episode: its own API instances, turn cursor and visible tools."""
+    """One BFCL multi-turn episode: its own API instances, turn cursor and visible tools.
+
+    Protocol (fastrehearse.envs.base): scripted user turns (`next_user_message`), `tools` kept
+    current (miss_func adds the held-out functions at their turn), arguments validated by
+    `execute` itself (`validates_calls`: BFCL does not enforce declared types), no stop tool."""
+
+    validates_calls = True
 
     def __init__(self, system_prompt: str | None = None):
         self.system_prompt = system_prompt
@@ -250,10 +257,9 @@ class BfclEnv(ToolEnv):
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return ResetResult(tools=list(self.tools), messages=messages)
 
-    def next_user_message(self, assistant_message: Any = None) -> dict | None:
-        """The next BFCL user turn as one user message, or None after the last turn.
-        (`assistant_message`, the reply that ended the turn, is accepted for a uniform call with
-        tau2's conversational env and ignored: BFCL's user turns are scripted.)"""
+    def next_user_message(self, reply: dict | None = None) -> dict | None:
+        """The next BFCL user turn as one user message, or None after the last turn. (`reply`, the
+        agent's text reply that ended the turn, is ignored: BFCL's user turns are scripted.)"""
         if self.task is None:
             raise RuntimeError("next_user_message() before reset()")
         payload = self.task.payload
@@ -263,8 +269,6 @@ class BfclEnv(ToolEnv):
         self.tools.extend(payload["added_tools"][self.turn])
         self.turn += 1
         return msg
-
-    next_user_turn = next_user_message   # alias
 
     def execute(self, call: ToolCall) -> ToolResult:
         if self.task is None:
@@ -366,9 +370,36 @@ def gold_messages(entry: dict, ground_truth: list[list[str]], user_turns: list[d
     return out
 
 
+HOLDOUT_EVERY = 5   # ":test" holds out entries 4, 9, 14, ... of each category (20%); ":train" the rest
+PARTS = ("train", "test")
+
+
+def parse_split(split: str) -> tuple[list[str], str | None]:
+    """`<categories>[:train|:test]` -> (categories, part). Categories: "multi_turn" (all four), a
+    category (`multi_turn_base`) or its short name (`base`), or a comma-separated list of those."""
+    if not isinstance(split, str) or not split.strip():
+        raise ValueError(f"split: expected '<categories>[:train|:test]', got {split!r}")
+    cats_text, sep, part = split.partition(":")
+    if sep and part not in PARTS:
+        raise ValueError(f"split: unknown BFCL part {part!r} in {split!r}; use one of {list(PARTS)} "
+                         "(or no part for every entry)")
+    cats: list[str] = []
+    for name in cats_text.split(","):
+        name = name.strip()
+        for c in (bfcl_compat.MULTI_TURN_CATEGORIES if name in ("multi_turn", "all") else [resolve_category(name)]):
+            if c not in cats:
+                cats.append(c)
+    return cats, part or None
+
+
 class BfclSuite(Suite):
-    """BFCL v4 multi-turn. `tasks(split)`: split is a category (`multi_turn_base`, ...) or its short
-    name (`base`, `miss_func`, `miss_param`, `long_context`). Tasks keep BFCL's order."""
+    """BFCL v4 multi-turn. `tasks(split)`, split = `<categories>[:train|:test]`:
+      categories  a category (`multi_turn_base`, ...), its short name (`base`, `miss_func`,
+                  `miss_param`, `long_context`), `multi_turn` (all four), or a comma-separated list
+      part        none: every entry; `train` / `test`: a fixed 80/20 hold-out (every 5th entry of
+                  each category is test). BFCL ships no training split: this is fastrehearse's.
+    Several categories are interleaved round-robin (so `limit` takes from all of them); each keeps
+    BFCL's order."""
     name = "bfcl"
 
     def __init__(self, system_prompt: str | None = None, with_gold: bool = True):
@@ -376,25 +407,32 @@ class BfclSuite(Suite):
         self.with_gold = with_gold
 
     def tasks(self, split: str, limit: int | None = None) -> list[Task]:
-        cat = resolve_category(split)
-        if limit is not None and limit < 0:
-            raise ValueError(f"limit: must be >= 0, got {limit}")
-        entries = bfcl_compat.load_entries(cat, limit)
-        answers = bfcl_compat.load_answers(cat)
-        out = []
-        for entry in entries:
-            gt = answers[entry["id"]]["ground_truth"]
-            missed = entry.get("missed_function", {})
-            user_turns, added = [], []
-            for t in range(1, len(entry["question"])):
-                docs = missed.get(str(t), [])
-                user_turns.append(_turn_message(entry["question"][t], docs))
-                added.append([bfcl_compat.func_doc_to_tool(d) for d in docs])
-            payload = {"entry": entry, "category": cat, "ground_truth": gt,
-                       "user_turns": user_turns, "added_tools": added}
-            gold = gold_messages(entry, gt, user_turns) if self.with_gold else None
-            out.append(Task(id=entry["id"], split=cat, payload=payload, gold=gold))
-        return out
+        cats, part = parse_split(split)
+        if limit is not None and (not isinstance(limit, int) or limit < 0):
+            raise ValueError(f"limit: must be an int >= 0, got {limit!r}")
+        per_cat = []
+        for cat in cats:
+            entries = bfcl_compat.load_entries(cat)
+            if part is not None:
+                entries = [e for i, e in enumerate(entries)
+                           if (i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1) == (part == "test")]
+            per_cat.append((cat, entries))
+        chosen = [(cat, es[i]) for i in range(max((len(es) for _, es in per_cat), default=0))
+                  for cat, es in per_cat if i < len(es)]
+        return [self._task(cat, entry) for cat, entry in chosen[:limit]]
+
+    def _task(self, cat: str, entry: dict) -> Task:
+        gt = bfcl_compat.load_answers(cat)[entry["id"]]["ground_truth"]
+        missed = entry.get("missed_function", {})
+        user_turns, added = [], []
+        for t in range(1, len(entry["question"])):
+            docs = missed.get(str(t), [])
+            user_turns.append(_turn_message(entry["question"][t], docs))
+            added.append([bfcl_compat.func_doc_to_tool(d) for d in docs])
+        payload = {"entry": entry, "category": cat, "ground_truth": gt,
+                   "user_turns": user_turns, "added_tools": added}
+        gold = gold_messages(entry, gt, user_turns) if self.with_gold else None
+        return Task(id=entry["id"], split=cat, payload=payload, gold=gold)
 
     def make_env(self) -> BfclEnv:
         return BfclEnv(system_prompt=self.system_prompt)

@@ -118,7 +118,15 @@ def _calls_of(message: dict) -> list[tuple[str, Any]]:
 
 
 class Tau2Env(ToolEnv):
-    """One tau2 episode: a fresh tau2 Environment for the task's domain."""
+    """One tau2 episode: a fresh tau2 Environment for the task's domain.
+
+    Protocol (fastrehearse.envs.base): solo mode has no user turns and ends on the `done` stop tool
+    (`finished`; `done` is a control tool: always executed, never rehearsed); conversational mode
+    answers each text reply with the simulated user (`next_user_message(reply)`, None when the user
+    stops). Tools are fixed at reset; arguments are checked by `execute` (tau2's own tools)."""
+
+    control_tools = frozenset({STOP_TOOL})
+    validates_calls = True
 
     def __init__(self, user_url: str | None = None, user_model: str = "openai/user-simulator",
                  user_api_key: str | None = None):
@@ -207,20 +215,18 @@ class Tau2Env(ToolEnv):
             return None
         return {"role": "user", "content": reply.content or ""}
 
-    def next_user_message(self, assistant_message: dict | str | None = None) -> dict | None:
+    def next_user_message(self, reply: dict | str | None = None) -> dict | None:
         """Solo: None (no user). Conversational: the simulated user's answer to the agent's text
-        reply (pass it: a message dict or its content), or None when the user ended the chat."""
+        reply (a message dict or its content), or None when the user ended the chat."""
         if self.task is None:
             raise RuntimeError("next_user_message() before reset()")
         if self.task.payload["solo"] or self.finished:
             return None
         t = import_tau2()
-        content = assistant_message.get("content") if isinstance(assistant_message, dict) else assistant_message
+        content = reply.get("content") if isinstance(reply, dict) else reply
         agent_msg = t.msg.AssistantMessage(role="assistant", content=content or "")
         self.history.append(agent_msg)
         return self._user_reply(agent_msg)
-
-    next_user_turn = next_user_message
 
     # -- tools ----------------------------------------------------------------------------
     def execute(self, call: ToolCall) -> ToolResult:

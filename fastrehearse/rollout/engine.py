@@ -10,7 +10,19 @@ when that keeps the batch busy) and samples the rows that are waiting for the mo
                 real      -> env.execute(call); its text is forced (OBSERVED)
                 malformed -> an error message is forced (OBSERVED), or the episode ends
      force "close tool + reopen assistant"  -->  next policy turn
-  final answer (a turn without calls) / max_turns / token limits  -->  env.score -> reward
+  a text reply (no calls) -> env.next_user_message(reply):
+     a user message -> rendered with the chat template and forced (CONTEXT) -> next policy turn
+     None           -> the episode ends
+  env.finished after a tool turn (tau2's stop tool) / max_turns policy turns within one user turn /
+  token limits -> the episode ends; then env.score -> reward
+
+The environment protocol (fastrehearse.envs.base) decides everything env-specific: user turns
+(none / scripted / a simulator), tools that change mid-task (`env.tools`, re-read after each user
+turn: later parsing accepts the new tools and the template renders them as it would), the stop
+tool (`finished`, `control_tools`, which are always executed), whether the env judges calls
+itself (`validates_calls`), single-turn graded-call tasks (`grades_calls_only`: one turn,
+nothing executed) and drift statistics. A policy (fastrehearse.rollout.policy) decides who writes
+the agent's turns: the model (sampled or greedy), scripted / gold turns, or a test-time rehearsal.
 
 Token in, token out: episode tokens are exactly the sampled ids plus forced ids; generated text is
 decoded only to detect stops and parse calls, never re-tokenized. The rollout log-prob of each
@@ -37,9 +49,10 @@ from fastrehearse.envs.base import Suite, Task, ToolCall, ToolEnv, Trajectory
 from fastrehearse.kernels.roles import Role
 from fastrehearse.rollout.backend import Generator, HFGenerator
 from fastrehearse.rollout.fidelity import FidelityScore, aggregate, score_pair
+from fastrehearse.rollout.policy import Policy, Turn, TurnRequest
 from fastrehearse.rollout.sampling import sample
 from fastrehearse.rollout.template import TOOL_CALL_CLOSE, ChatTemplate
-from fastrehearse.rollout.toolcall import ParsedCall, parse_tool_calls
+from fastrehearse.rollout.toolcall import ParsedCall, malformed_response, parse_tool_calls
 
 MODES = ("rehearse", "real", "hybrid")
 MALFORMED_OUTCOMES = ("error_response", "end_episode")
@@ -64,11 +77,13 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 128           # per generated turn (policy turn or rehearsed response)
-    max_turns: int = 6                  # policy turns per episode
+    max_turns: int = 6                  # policy turns per user turn (the counter restarts at each
+                                        # user turn; one-user-turn tasks: per episode). The eval's
+                                        # old name for it was max_steps: max_turns is canonical.
     max_episode_tokens: int = 2048      # prompt included: an episode never exceeds it
     parallel_tool_calls: bool = True    # True: a turn ends at its end-of-turn marker and may hold
                                         # several calls; False: it stops at the first </tool_call>
-    on_malformed: str = "error_response"  # or "end_episode"
+    on_malformed: str = "error_response"  # or "end_episode" (the one vocabulary, train and eval)
     malformed_reward: float | None = 0.0  # reward of an episode with a malformed call (None: score)
     max_batch_size: int = 64            # episodes decoded together
     max_chunk: int = 64                 # most forced tokens fed to one row in one step
@@ -113,26 +128,36 @@ class RolloutResult:
 
 
 class _Row:
-    """One episode's state machine. Phases: "act" (policy sampling), "tool" (rehearsing a response),
+    """One episode's state machine. Phases: "act" (policy turn), "tool" (rehearsing a response),
     "done". Appending tokens and deciding what comes next happens here; the decode loop only feeds
-    `pending` and samples rows whose `pending` is empty."""
+    `pending`, asks the policy for rows that start a turn (`awaiting_turn`) and samples rows whose
+    `pending` is empty."""
 
     def __init__(self, eng: "RolloutEngine", index: int, prompt: Prompt):
         self.eng, self.cfg, self.tmpl = eng, eng.config, eng.template
         self.index, self.p = index, prompt
+        self.env = prompt.env
         self.ids = list(prompt.input_ids)
         self.roles = [int(r) for r in prompt.roles]
         self.logps = [math.nan] * len(self.ids)
+        self.tools = list(prompt.tools)
         self.pending: deque[int] = deque(self.ids)   # appended but not yet fed to the model
         self.head_sampled = False                     # is pending[0] a token the model sampled?
         self.phase = "act"
         self.seg_start = len(self.ids)
-        self.turns = 0
+        self.turns = 0                                # policy turns in the episode
+        self.turn_steps = 0                           # policy turns since the last user turn
+        self.user_turns = 0                           # user turns added after the prompt
+        self.awaiting_turn = False                    # the policy must say who writes this turn
+        self.turn_context: str | None = None          # CONTEXT the policy put before this turn
         self.stop_reason = ""
+        self.error: str | None = None                 # the episode could not run to its end
         self.queue: list[tuple[ParsedCall, str]] = []
         self.traj = Trajectory()
         self.malformed: Counter = Counter()
         self.call_log: list[dict] = []
+        self.policy_log: list[dict] = []
+        self.tools_changed: list[int] = []            # user turns at which the tools changed
         self.fidelity: list[FidelityScore] = []
         self.rng = random.Random(prompt.seed * 1_000_003 + 17)
         self.gen = torch.Generator().manual_seed(prompt.seed)
@@ -140,6 +165,8 @@ class _Row:
         self.sim_text = ""
         if len(self.ids) >= self.cfg.max_episode_tokens:
             self._finish("max_episode_tokens")
+        else:
+            self._begin_act()
 
     # -- token bookkeeping -------------------------------------------------------------------
     @property
@@ -172,6 +199,7 @@ class _Row:
             self.call_log.append({"name": pc.call.name, "mode": "rehearse", "error_kind": None,
                                   "truncated": True})
         self.phase = "done"
+        self.awaiting_turn = False
         self.stop_reason = self.stop_reason or reason
         self.pending.clear()
 
@@ -181,6 +209,37 @@ class _Row:
     def _new_segment(self, phase: str) -> None:
         self.phase = phase
         self.seg_start = len(self.ids)
+
+    # -- policy turns ------------------------------------------------------------------------
+    def _begin_act(self) -> None:
+        """A policy turn starts (the sequence ends with the assistant-turn opening)."""
+        self._new_segment("act")
+        self.turn_context = None
+        self.awaiting_turn = self.eng.policy is not None
+
+    def request(self) -> TurnRequest:
+        return TurnRequest(row=self.index, task=self.p.task, messages=self.p.messages + self.traj.messages,
+                           tools=list(self.tools), input_ids=list(self.ids), roles=list(self.roles),
+                           turn=self.turns, seed=self.p.seed)
+
+    def apply_turn(self, turn: Turn | None) -> None:
+        """The policy's answer for this turn: None = the model samples it; else forced parts."""
+        self.awaiting_turn = False
+        if turn is None:
+            return
+        if not isinstance(turn, Turn):
+            raise TypeError(f"policy returned {type(turn).__name__}; expected Turn or None")
+        if turn.info:
+            self.policy_log.append({"turn": self.turns, **turn.info})
+        if turn.context:
+            self.turn_context = turn.context
+            if not self.force(self.tmpl.encode(turn.context), Role.CONTEXT):
+                return
+            self.seg_start = len(self.ids)   # the context is never parsed for calls
+        if turn.text is not None:
+            marker = self.tmpl.assistant_end_markers[0]
+            if self.force(self.tmpl.encode(turn.text + marker), Role.ACT):
+                self._end_policy_turn(marker)
 
     # -- sampled tokens ----------------------------------------------------------------------
     def on_sampled(self, token: int, logp: float) -> None:
@@ -228,18 +287,32 @@ class _Row:
         text = self._segment_text()
         cut = text.rfind(marker)
         turn = text[:cut] if cut >= 0 and marker != TOOL_CALL_CLOSE else text
-        parsed = parse_tool_calls(turn, self.p.tools)
+        env = self.env
+        graded_only = env is not None and env.grades_calls_only
+        # Graded-call tasks (judged on the raw text by the benchmark's checker) and envs that judge
+        # calls themselves: syntax only. Otherwise the name and the arguments' schema too.
+        syntax_only = env is not None and (graded_only or env.validates_calls)
+        parsed = parse_tool_calls(turn, None if syntax_only else self.tools)
         self.turns += 1
-        if not parsed.has_calls:
-            self.traj.messages.append({"role": "assistant", "content": turn})
+        self.turn_steps += 1
+        msg: dict[str, Any] = {"role": "assistant", "content": parsed.content if parsed.has_calls else turn,
+                               "raw_text": turn}
+        if self.turn_context is not None:
+            msg["context"] = self.turn_context
+        ok_calls = [c for c in parsed.calls if c.ok]
+        if ok_calls:
+            msg["tool_calls"] = [{"type": "function", "function": {"name": c.call.name,
+                                                                  "arguments": c.call.arguments}}
+                                 for c in ok_calls]
+        self.traj.messages.append(msg)
+        if graded_only:
             self.traj.final_answer = turn.strip()
-            self._finish("final_answer")
+            self._finish("graded")
             return
-        self.traj.messages.append({
-            "role": "assistant", "content": parsed.content,
-            "tool_calls": [{"type": "function", "function": {"name": c.call.name,
-                                                            "arguments": c.call.arguments}}
-                           for c in parsed.calls if c.ok]})
+        if not parsed.has_calls:
+            self.traj.final_answer = turn.strip()
+            self._after_reply(msg, marker)
+            return
         self.queue = []
         for c in parsed.calls:
             if not c.ok:
@@ -249,15 +322,46 @@ class _Row:
                     self._finish("malformed")
                     return
                 self.queue.append((c, "error"))
-            elif self.p.env is None or self.cfg.mode == "rehearse":
+            elif env is None or (self.cfg.mode == "rehearse" and c.call.name not in env.control_tools):
                 self.queue.append((c, "rehearse"))
-            elif self.cfg.mode == "real":
+            elif self.cfg.mode == "real" or c.call.name in env.control_tools:
                 self.queue.append((c, "real"))
             else:
                 self.queue.append((c, "real" if self.rng.random() < self.cfg.hybrid_p else "rehearse"))
         end_marker = marker if marker != TOOL_CALL_CLOSE else None
         if self.force(self.tmpl.remainder("assistant_to_tool", end_marker)):
             self._next_call()
+
+    def _after_reply(self, msg: dict, marker: str) -> None:
+        """A text reply ended the agent's turn: the environment's next user turn, or the end."""
+        env = self.env
+        if env is None or env.finished:
+            self._finish("final_answer")
+            return
+        try:
+            user = env.next_user_message(msg)
+        except Exception as e:  # an unreachable user simulator: the episode could not run
+            self.error = f"next_user_message: {type(e).__name__}: {e}"
+            self._finish("env_error")
+            return
+        if user is None:
+            self._finish("final_answer")
+            return
+        if not isinstance(user, dict) or user.get("role") not in ("user", "system") \
+                or not isinstance(user.get("content"), str):
+            self.error = f"next_user_message returned {user!r}; expected a user message dict"
+            self._finish("env_error")
+            return
+        self.traj.messages.append(user)
+        self.user_turns += 1
+        self.turn_steps = 0
+        tools = env.tools
+        if tools is not None and list(tools) != self.tools:
+            self.tools = list(tools)
+            self.tools_changed.append(self.user_turns)
+        end_marker = marker if marker != TOOL_CALL_CLOSE else None
+        if self.force(self.tmpl.continuation([user], self.tools, end_marker)):
+            self._begin_act()
 
     def _next_call(self) -> None:
         """Handle queued calls until one needs the model (or the tool turn closes)."""
@@ -271,7 +375,7 @@ class _Row:
                 return
             self.queue.pop(0)
             if mode == "error":
-                content = json.dumps({"error": pc.error_kind, "message": pc.error})
+                content = malformed_response(pc)
                 self.call_log.append({"name": None, "mode": "error", "error_kind": pc.error_kind})
             else:
                 content = self._execute(pc.call)
@@ -284,7 +388,7 @@ class _Row:
     def _execute(self, call: ToolCall) -> str:
         self.traj.real_calls.append(call)
         try:
-            res = self.p.env.execute(call)
+            res = self.env.execute(call)
         except Exception as e:  # env contract says never raise; a buggy env must not kill a batch
             self.malformed["env_error"] += 1
             return json.dumps({"error": "env_error", "message": f"{type(e).__name__}: {e}"})
@@ -300,7 +404,7 @@ class _Row:
 
     def _record_rehearsal(self, pc: ParsedCall, content: str) -> None:
         entry = {"name": pc.call.name, "mode": "rehearse", "error_kind": None}
-        if self.cfg.measure_fidelity and self.p.env is not None:
+        if self.cfg.measure_fidelity and self.env is not None:
             real = self._execute(pc.call)
             s = score_pair(pc.call.name, content, real)
             self.fidelity.append(s)
@@ -313,11 +417,14 @@ class _Row:
             if self.force(self.tmpl.remainder("tool_to_tool", marker)):
                 self._next_call()
             return
-        if self.turns >= self.cfg.max_turns:
+        if self.env is not None and self.env.finished:
+            self._finish("finished")
+            return
+        if self.turn_steps >= self.cfg.max_turns:
             self._finish("max_turns")
             return
         if self.force(self.tmpl.remainder("tool_to_assistant", marker)):
-            self._new_segment("act")
+            self._begin_act()
 
     def on_simulated(self, tokens: list[int], logps: list[float], text: str) -> None:
         """rehearsal="separate": the simulator's response tokens, copied in as REHEARSE."""
@@ -337,24 +444,36 @@ class _Row:
 
     # -- result ------------------------------------------------------------------------------
     def episode(self) -> Episode:
-        task = self.p.task
+        task, env = self.p.task, self.env
         reward = 0.0
-        score_error = None
-        if self.p.env is not None and task is not None:
+        error = self.error
+        if env is not None and task is not None and error is None:
             try:
-                reward = float(self.p.env.score(task, self.traj))
+                reward = float(env.score(task, self.traj))
             except Exception as e:  # a scoring bug is an outcome, not a crash of the whole batch
-                score_error = f"{type(e).__name__}: {e}"
+                error = f"score: {type(e).__name__}: {e}"
                 reward = 0.0
         if self.malformed and self.cfg.malformed_reward is not None:
             reward = float(self.cfg.malformed_reward)
-        meta = {"stop_reason": self.stop_reason, "turns": self.turns, "calls": self.call_log,
-                "malformed": dict(self.malformed), "seed": self.p.seed,
+        meta = {"stop_reason": self.stop_reason, "turns": self.turns, "user_turns": self.user_turns,
+                "calls": self.call_log, "malformed": dict(self.malformed), "seed": self.p.seed,
                 "prompt_tokens": len(self.p.input_ids),
                 "fidelity": [vars(s) for s in self.fidelity]}  # JSON-friendly; trajectories are
         # returned beside the episodes (RolloutResult.trajectories)
-        if score_error:
-            meta["score_error"] = score_error
+        if self.tools_changed:
+            meta["tools_changed"] = self.tools_changed
+        if self.policy_log:
+            meta["policy"] = self.policy_log
+        if env is not None:
+            drift = env.drift_stats()
+            if drift:
+                meta["drift"] = dict(drift)
+        if error:
+            # The episode could not run (or be scored) to its end: its reward is not a result.
+            # Evaluation records it as an error, not a score.
+            meta["error"] = error
+            if error.startswith("score: "):
+                meta["score_error"] = error[len("score: "):]
         return Episode(input_ids=self.ids, roles=self.roles, task_id=task.id if task else "",
                        reward=reward, rollout_logprobs=self.logps, metadata=meta)
 
@@ -364,8 +483,11 @@ class RolloutEngine:
 
     engine = RolloutEngine(model, tokenizer, RolloutConfig(mode="hybrid", hybrid_p=0.3))
     result = engine.rollout(tasks, suite, group_size=4, seed=0)   # episodes, trajectories, metrics
-    result = engine.generate(prompts, seed=1)                      # from token prefixes (no env:
+    result = engine.rollout(tasks, suite, policy=GoldPolicy())    # who writes the agent's turns
+    result = engine.generate(prompts)                              # from token prefixes (no env:
                                                                    # private rehearsal)
+    `model` may be None when no token will ever be sampled (a policy that forces every turn, with
+    mode="real"): a row that needs the model then raises.
     """
 
     def __init__(self, model, tokenizer, config: RolloutConfig | None = None, *,
@@ -377,7 +499,7 @@ class RolloutEngine:
         self.template = template or ChatTemplate(tokenizer)
         tok = self.template.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        self.backend_factory = backend_factory or (lambda: HFGenerator(model, pad_id=pad))
+        self.backend_factory = backend_factory or (lambda: HFGenerator(self._need_model(), pad_id=pad))
         self.logits_processor = logits_processor
         self.eos_ids = {i for i in (tok.eos_token_id,) if i is not None}
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -392,9 +514,16 @@ class RolloutEngine:
                       + [TOOL_CALL_CLOSE])
         self.window = longest + 8
         self._env_errors: Counter = Counter()
+        self.policy: Policy | None = None     # the token source of the current generate() call
 
     def _count_env_error(self, kind: str) -> None:
         self._env_errors[kind] += 1
+
+    def _need_model(self):
+        if self.model is None:
+            raise ValueError("RolloutEngine(model=None) cannot sample: a row needs the model (a policy "
+                             "that does not force every turn, or a rehearsed call)")
+        return self.model
 
     # -- public API ----------------------------------------------------------------------------
     def prompt_for(self, task: Task, env: ToolEnv, seed: int) -> Prompt:
@@ -403,19 +532,28 @@ class RolloutEngine:
         return Prompt(r.input_ids, r.roles, reset.tools, list(reset.messages), task, env, seed)
 
     def rollout(self, tasks: Sequence[Task], envs: Suite | Callable[[], ToolEnv], *,
-                group_size: int = 1, seed: int = 0) -> RolloutResult:
-        """`group_size` episodes per task (the GRPO group), each with its own environment."""
+                group_size: int = 1, seed: int = 0, policy: Policy | None = None) -> RolloutResult:
+        """`group_size` episodes per task (the GRPO group), each with its own environment.
+        `policy` (fastrehearse.rollout.policy): who writes the agent's turns; None: the model."""
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         make_env = envs.make_env if isinstance(envs, Suite) else envs
         if not callable(make_env):
             raise ValueError("envs must be a Suite or a callable returning a ToolEnv")
         prompts = []
-        for ti, task in enumerate(tasks):
-            for g in range(group_size):
-                prompts.append(self.prompt_for(task, make_env(), seed * 7_919_993 + ti * group_size + g))
         try:
-            result = self.generate(prompts)
+            for ti, task in enumerate(tasks):
+                for g in range(group_size):
+                    env = make_env()
+                    if not isinstance(env, ToolEnv):
+                        raise TypeError(f"the env factory returned {type(env).__name__}, not a "
+                                        "fastrehearse.envs.base.ToolEnv (the protocol the engine reads)")
+                    try:
+                        prompts.append(self.prompt_for(task, env, seed * 7_919_993 + ti * group_size + g))
+                    except BaseException:
+                        env.close()
+                        raise
+            result = self.generate(prompts, policy=policy)
         finally:
             for p in prompts:
                 try:
@@ -426,23 +564,47 @@ class RolloutEngine:
             ep.metadata.update(group=ti, sample=g)
         return result
 
-    def generate(self, prompts: Sequence[Prompt]) -> RolloutResult:
-        """Run rows from token prefixes. Rows without an env only rehearse (test-time rehearsal)."""
+    def generate(self, prompts: Sequence[Prompt], *, policy: Policy | None = None) -> RolloutResult:
+        """Run rows from token prefixes. Rows without an env only rehearse (test-time rehearsal).
+        `policy` as in `rollout`."""
         for i, p in enumerate(prompts):
             if len(p.input_ids) == 0 or len(p.input_ids) != len(p.roles):
                 raise ValueError(f"prompts[{i}]: input_ids must be non-empty and match roles")
         t0 = time.perf_counter()
         stats = Counter()
         self._env_errors = Counter()
-        rows = [_Row(self, i, p) for i, p in enumerate(prompts)]
-        bs = self.config.max_batch_size
-        for s in range(0, len(rows), bs):
-            self._decode([r for r in rows[s:s + bs] if not r.done], stats)
+        self.policy = policy
+        try:
+            rows = [_Row(self, i, p) for i, p in enumerate(prompts)]
+            bs = self.config.max_batch_size
+            for s in range(0, len(rows), bs):
+                batch = rows[s:s + bs]
+                self._resolve_turns(batch, stats)
+                self._decode([r for r in batch if not r.done], stats)
+        finally:
+            self.policy = None
         episodes = [r.episode() for r in rows]
         wall = time.perf_counter() - t0
         return RolloutResult(episodes, [r.traj for r in rows], self._metrics(rows, episodes, stats, wall))
 
     # -- the decode loop ---------------------------------------------------------------------------
+    def _resolve_turns(self, rows: list[_Row], stats: Counter) -> None:
+        """Ask the policy, in one batched call, who writes the turn of every row starting one; a
+        forced turn may run the row up to its next turn (real calls, user turns): repeat."""
+        if self.policy is None:
+            return
+        while True:
+            waiting = [r for r in rows if r.awaiting_turn and not r.done]
+            if not waiting:
+                return
+            turns = self.policy.begin_turns([r.request() for r in waiting])
+            if len(turns) != len(waiting):
+                raise ValueError(f"policy.begin_turns returned {len(turns)} turns for {len(waiting)} requests")
+            stats["policy_calls"] += 1
+            for r, t in zip(waiting, turns):
+                stats["forced_turns"] += int(t is not None and t.text is not None)
+                r.apply_turn(t)
+
     def _sample(self, rows: list[_Row], logits: torch.Tensor, stats: Counter) -> None:
         if self.logits_processor is not None:
             logits = self.logits_processor([r.ids for r in rows], [r.roles for r in rows],
@@ -475,6 +637,7 @@ class RolloutEngine:
         live = rows
         while True:
             self._simulate([r for r in live if r.waiting_sim is not None], stats)
+            self._resolve_turns(live, stats)
             keep = [i for i, r in enumerate(live) if not r.done]
             if not keep:
                 return
@@ -507,12 +670,13 @@ class RolloutEngine:
             pc, _ = r.waiting_sim
             convo = json.dumps(r.p.messages + r.traj.messages, ensure_ascii=False, default=str)
             msgs = [{"role": "system", "content": SIMULATOR_SYSTEM},
-                    {"role": "user", "content": f"Tools: {json.dumps(r.p.tools)}\nConversation: {convo}\n"
+                    {"role": "user", "content": f"Tools: {json.dumps(r.tools)}\nConversation: {convo}\n"
                                                 f"Tool call: {pc.raw.strip()}"}]
             sim = self.template.render_prompt(msgs)
             prompts.append(Prompt(sim.input_ids, sim.roles, [], seed=r.rng.randrange(2**31)))
         sub = RolloutEngine.__new__(RolloutEngine)
         sub.__dict__.update(self.__dict__)
+        sub.policy = None
         sub.config = RolloutConfig(**{**vars(self.config), "rehearsal": "inline", "max_turns": 1,
                                       "parallel_tool_calls": True})
         sim_rows = [_Row(sub, i, p) for i, p in enumerate(prompts)]
@@ -537,6 +701,7 @@ class RolloutEngine:
                 role_tokens[Role(r).name] += 1
         malformed, modes, stops = Counter(), Counter(), Counter()
         fid: list[FidelityScore] = []
+        errors = sum(1 for e in episodes if "error" in e.metadata)
         for r in rows:
             malformed.update(r.malformed)
             modes.update(c["mode"] for c in r.call_log)
@@ -559,6 +724,9 @@ class RolloutEngine:
             "malformed": dict(malformed),
             "env_errors": dict(self._env_errors),
             "stop_reasons": dict(stops),
+            "user_turns": sum(r.user_turns for r in rows),   # user turns added after the prompts
+            "forced_turns": stats["forced_turns"],           # agent turns a policy forced
+            "errors": errors,                                # episodes that could not run / score
             "mean_reward": sum(e.reward for e in episodes) / len(episodes) if episodes else 0.0,
             "fidelity": aggregate(fid),
         }

@@ -142,6 +142,7 @@ class Rendered:
     text: str
     # (token_start, token_end, role, message_index or -1 for scaffolding)
     spans: list[tuple[int, int, int, int]] = field(default_factory=list)
+    span_texts: list[str] = field(default_factory=list)   # the text of each span
 
 
 @dataclass
@@ -236,21 +237,39 @@ class ChatTemplate:
 
         ids: list[int] = []
         out_roles: list[int] = []
-        spans = []
+        spans, span_texts = [], []
         for k, scaffold in enumerate(pieces[::2]):
             for text, role, mi in ((scaffold, Role.CONTEXT, -1),
                                    *(((contents[k], roles[k], k),) if k < len(contents) else ())):
                 toks = self.encode(text)
                 spans.append((len(ids), len(ids) + len(toks), int(role), mi))
+                span_texts.append(text)
                 ids += toks
                 out_roles += [int(role)] * len(toks)
-        return Rendered(ids, out_roles, real, spans)
+        return Rendered(ids, out_roles, real, spans, span_texts)
 
     def render_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> Rendered:
         """The initial prompt of an episode: everything CONTEXT, ending with the generation prompt."""
         r = self.render(messages, tools, add_generation_prompt=True)
         r.roles = [int(Role.CONTEXT)] * len(r.input_ids)
         return r
+
+    def continuation(self, messages: list[dict], tools: list[dict] | None = None,
+                     marker: str | None = None) -> list[int]:
+        """Tokens that follow a final assistant turn (already in the sequence, ended by `marker`)
+        to add `messages` (user / system turns, CONTEXT) and open the next assistant turn, exactly
+        as the template renders them after an assistant reply. `tools` are the tools visible now:
+        templates that place tools near the latest turn render them here; ChatML-style templates
+        keep tools in the system turn, which an episode never re-renders (token in, token out)."""
+        probe = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+                 {"role": "assistant", "content": "A"}]
+        if not messages or any(m.get("role") not in ("user", "system") for m in messages):
+            raise ValueError("continuation() takes user / system messages only")
+        r = self.render(probe + list(messages), tools, add_generation_prompt=True)
+        k = next(i for i, sp in enumerate(r.spans) if sp[3] == len(probe))  # first new message
+        joint = r.span_texts[k - 1]         # scaffolding between the reply and the new message
+        head = joint[joint.index(marker) + len(marker):] if marker and marker in joint else joint
+        return self.encode(head) + r.input_ids[r.spans[k][0]:]
 
     # -- scaffolding for inline turn switching ------------------------------------------------
     def _build_scaffolding(self) -> Scaffolding:

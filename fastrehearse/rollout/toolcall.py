@@ -151,6 +151,12 @@ def parse_one(raw: str, tools: dict[str, dict] | None) -> ParsedCall:
     return ParsedCall(raw, call=ToolCall(name=name, arguments=args, raw=raw))
 
 
+def malformed_response(pc: ParsedCall) -> str:
+    """The tool-response text the agent sees for a malformed call: one text for training and
+    evaluation (the engine forces it as an OBSERVED tool response)."""
+    return json.dumps({"error": pc.error_kind, "message": pc.error}, ensure_ascii=False)
+
+
 def parse_tool_calls(text: str, tools: list[dict] | None = None) -> ParseResult:
     """All tool-call blocks of one assistant turn, in order. Never raises on model text.
 

@@ -32,17 +32,20 @@ def parse_levels(level: int | str | Sequence[int]) -> tuple[int, ...]:
 
 
 class BuiltinEnv(ToolEnv):
-    """One episode's world. `world` is the live database (inspect it after an episode)."""
+    """One episode's world. `world` is the live database (inspect it after an episode).
+
+    Protocol (fastrehearse.envs.base): one user turn (no next_user_message), tools fixed at reset
+    (`tools` None), arguments checked by the driver against the schemas, no stop tool."""
 
     def __init__(self) -> None:
         self.world: dict[str, Any] | None = None
-        self.tools: list[str] = []
+        self.tool_names: list[str] = []     # the task's visible tools (execute refuses others)
 
     def reset(self, task: Task) -> ResetResult:
         p = task.payload
         self.world = make_world(p["world_seed"])
-        self.tools = list(p["tools"])
-        return ResetResult(tools=[SCHEMAS[t] for t in self.tools],
+        self.tool_names = list(p["tools"])
+        return ResetResult(tools=[SCHEMAS[t] for t in self.tool_names],
                            messages=[{"role": "system", "content": SYSTEM_PROMPT},
                                      {"role": "user", "content": p["prompt"]}])
 
@@ -50,7 +53,8 @@ class BuiltinEnv(ToolEnv):
         if self.world is None:
             return ToolResult(content=dumps({"error": "environment not reset"}), ok=False,
                               error_kind="env_error")
-        return execute(self.world, getattr(call, "name", None), getattr(call, "arguments", None), self.tools)
+        return execute(self.world, getattr(call, "name", None), getattr(call, "arguments", None),
+                       self.tool_names)
 
     def score(self, task: Task, trajectory: Trajectory) -> float:
         return scoring.score(task.payload, trajectory)
