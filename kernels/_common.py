@@ -5,6 +5,7 @@ Nothing here knows about losses; `linear_logprobs.py` and `policy_loss.py` build
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -26,15 +27,40 @@ def triton_usable(device: torch.device) -> bool:
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+_TRITON_STATE: dict[str, str | None] = {}
+
+
+def triton_missing() -> str | None:
+    """None when triton imports, else the ImportError text (checked once; only the Triton backend
+    imports triton, so the torch backend works without it)."""
+    if "err" not in _TRITON_STATE:
+        try:
+            import triton  # noqa: F401
+            _TRITON_STATE["err"] = None
+        except ImportError as e:
+            _TRITON_STATE["err"] = str(e) or "ImportError"
+    return _TRITON_STATE["err"]
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and not triton_usable(device):
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 for CPU tensors "
-            f"(got device {device}); use backend='torch' or 'auto'")
+        if device.type == "cuda" and triton_missing() is None:
+            return "triton"
+        if device.type == "cuda" and not _TRITON_STATE.get("warned"):
+            _TRITON_STATE["warned"] = "1"
+            warnings.warn(f"fastrehearse.kernels: triton is not importable "
+                          f"({triton_missing()}); backend='auto' uses the torch backend on CUDA")
+        return "torch"
+    if backend == "triton":
+        if not triton_usable(device):
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 for CPU tensors "
+                f"(got device {device}); use backend='torch' or 'auto'")
+        if triton_missing() is not None:
+            raise ValueError(f"backend='triton' needs the triton package ({triton_missing()}); "
+                             f"use backend='torch' or 'auto'")
     return backend
 
 
