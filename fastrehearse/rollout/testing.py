@@ -221,3 +221,44 @@ class ScriptedTurns(ScriptedBias):
         k = n_runs - 1 if roles and roles[-1] == role else n_runs  # index of the current segment
         seq = self.act if role == Role.ACT else self.tool
         return seq[k] if k < len(seq) else []
+
+
+class MultiTurnCalcEnv(CalcEnv):
+    """CalcEnv with the optional protocol members, for engine tests: scripted user turns
+    (payload["user_turns"]), a tool added at user turn `payload["add_tool_at"]` (1-based), a stop
+    tool `finish` (a control tool), and a user simulator that fails when payload["user_fails"]."""
+
+    control_tools = frozenset({"finish"})
+    FINISH = {"type": "function", "function": {"name": "finish", "description": "End the task.",
+                                               "parameters": {"type": "object", "properties": {}}}}
+    MUL = {"type": "function", "function": {
+        "name": "mul", "description": "Multiply two integers.",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                       "required": ["a", "b"]}}}
+
+    def reset(self, task: Task) -> ResetResult:
+        res = super().reset(task)
+        self.task, self.turn, self.finished, self.replies = task, 0, False, []
+        self.tools = list(CALC_TOOLS) + [self.FINISH]
+        return ResetResult(tools=list(self.tools), messages=res.messages)
+
+    def next_user_message(self, reply=None):
+        self.replies.append(reply)
+        if self.task.payload.get("user_fails"):
+            raise ConnectionError("user simulator unreachable")
+        turns = self.task.payload.get("user_turns", [])
+        if self.turn >= len(turns):
+            return None
+        self.turn += 1
+        if self.turn == self.task.payload.get("add_tool_at"):
+            self.tools.append(self.MUL)
+        return {"role": "user", "content": turns[self.turn - 1]}
+
+    def execute(self, call: ToolCall) -> ToolResult:
+        if call.name == "finish":
+            self.finished = True
+            return ToolResult("###STOP###")
+        if call.name == "mul":
+            self.calls.append(call)
+            return ToolResult(json.dumps({"result": call.arguments["a"] * call.arguments["b"]}))
+        return super().execute(call)
