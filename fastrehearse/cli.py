@@ -1,9 +1,13 @@
 """The `fastrehearse` command.
 
-    fastrehearse train --config configs/demo.yaml [--set optim.lr=1e-5 ...] [--resume]
+    fastrehearse train --config configs/demo.yaml [--set optim.lr=1e-5 ...] [--resume | --overwrite]
     fastrehearse eval  ...            (fastrehearse.eval.cli; see `fastrehearse eval --help`)
 
 `torchrun --nproc_per_node=N -m fastrehearse.train --config PATH` runs the same training code.
+
+Exit codes of `train`: 0 done (or stopped by SIGTERM after a checkpoint), 1 training stopped (the
+reason, e.g. non-finite steps or a full disk, in one line), 2 a mistake in the command, the config,
+the model path or run_dir, found before training (one line naming it).
 """
 from __future__ import annotations
 
@@ -18,27 +22,31 @@ def train_parser(prog: str = "fastrehearse train") -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="YAML file (see configs/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key, e.g. --set optim.lr=1e-5 (repeatable)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the latest complete checkpoint in run_dir")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the latest complete checkpoint in run_dir (steps, optim, "
+                        "logging, checkpoint and eval settings may change; docs/training.md)")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace the run run_dir holds (its checkpoints, metrics, export, config)")
     return p
 
 
 def train_main(argv: list[str] | None = None, prog: str = "fastrehearse train") -> int:
     args = train_parser(prog).parse_args(argv)
-    from fastrehearse.train.config import ConfigError, check_model_path, load_config
+    from fastrehearse.train.config import ConfigError, load_config, preflight
     try:
         cfg = load_config(args.config, args.overrides)
-        check_model_path(cfg)
+        preflight(cfg)      # model files, suite + options, device: before any weights load
     except ConfigError as e:
         print(f"{prog}: config error: {e}", file=sys.stderr)
         return 2
     from fastrehearse.train.loop import TrainingError, train
     try:
-        train(cfg, resume=args.resume)
-    except (FileNotFoundError, ConfigError) as e:   # e.g. a model path that does not exist
+        train(cfg, resume=args.resume, overwrite=args.overwrite)
+    except (FileNotFoundError, ConfigError) as e:   # run_dir, resume settings, env splits, ...
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    except TrainingError as e:
+    except TrainingError as e:                      # DiskFullError included
         print(f"{prog}: training stopped: {e}", file=sys.stderr)
         return 1
     return 0

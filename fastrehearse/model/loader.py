@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 import shutil
+import struct
 import tempfile
 import warnings
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -35,6 +38,31 @@ TINY_FAMILIES = ("llama", "qwen2", "qwen3")
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class TinyModelOptions:
+    """Sizes of a tiny-* random model (the `options` a tiny spec takes; the train config nests this
+    dataclass as `model.options`, so a misspelt size fails at start instead of landing in the HF
+    config)."""
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int | None = None     # default 2 * hidden_size
+    initializer_range: float = 0.02
+
+    def validate(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.intermediate_size is not None and self.intermediate_size < 1:
+            raise ValueError(f"intermediate_size must be >= 1 (or null), got {self.intermediate_size}")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads "
+                             f"({self.num_heads}), and num_heads of num_kv_heads ({self.num_kv_heads})")
+        if not self.initializer_range > 0:
+            raise ValueError(f"initializer_range must be > 0, got {self.initializer_range}")
 
 
 def cache_dir() -> Path:
@@ -61,30 +89,93 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+class ModelSpecError(ValueError):
+    """`spec` names no loadable model (missing path, no weights, a truncated file): found by
+    `check_spec` from file headers alone, before any weights load."""
+
+
+class ModelNotFoundError(ModelSpecError, FileNotFoundError):
+    """`spec` is a path that does not exist."""
+
+
+def check_spec(spec: str | os.PathLike, options: TinyModelOptions | None = None) -> None:
+    """Cheap checks of `spec` (no weights read): raises ModelSpecError naming the problem."""
+    s = str(spec)
+    if options is not None and options != TinyModelOptions() and not s.startswith("tiny-"):
+        raise ModelSpecError(f"model options {asdict(options)} only apply to tiny-* models, not {s!r}")
+    if s in EMBEDDED_SPECS:
+        return
+    if s.startswith("tiny-"):
+        if s[len("tiny-"):] not in TINY_FAMILIES:
+            raise ModelSpecError(f"unknown tiny model {s!r}; choose one of "
+                                 f"{['tiny-' + f for f in TINY_FAMILIES]}")
+        if options is not None:
+            try:
+                options.validate()
+            except ValueError as e:
+                raise ModelSpecError(f"tiny model options: {e}") from None
+        return
+    path = Path(s).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"model path {str(path)!r} does not exist (spec must be an existing HF directory, a .gguf "
+            f"file, one of {list(EMBEDDED_SPECS)}, or one of {['tiny-' + f for f in TINY_FAMILIES]})")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelSpecError(f"model file {str(path)!r} is not a .gguf; pass the HF directory instead")
+        return
+    if not (path / "config.json").is_file():
+        raise ModelSpecError(f"{str(path)!r} is not a Hugging Face model directory (no config.json)")
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        if any(path.glob("pytorch_model*.bin")):
+            return
+        raise ModelSpecError(f"{str(path)!r} holds no weights (no *.safetensors or pytorch_model*.bin)")
+    for f in weights:
+        _check_safetensors(f)
+
+
+def _check_safetensors(path: Path) -> None:
+    """The header is complete JSON and every tensor's byte range lies inside the file (a copy cut
+    short fails here, not as a loader traceback)."""
+    size = path.stat().st_size
+    bad = f"model file {str(path)!r} is truncated or not a safetensors file"
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ModelSpecError(f"{bad} ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise ModelSpecError(f"{bad} (header of {n} bytes, file of {size})")
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, UnicodeDecodeError):
+            raise ModelSpecError(f"{bad} (unreadable header)") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"
+               and isinstance(v, dict) and "data_offsets" in v), default=0)
+    if 8 + n + end > size:
+        raise ModelSpecError(f"{bad} (holds {size} bytes, its header describes {8 + n + end})")
+
+
 def load_model(spec: str | os.PathLike, *, dtype: torch.dtype | str = torch.float32,
-               device: torch.device | str = "cpu", seed: int = 0, cache: bool = True):
-    """Load `spec` (see module docstring) -> (model, tokenizer). `seed` only affects tiny-* models."""
+               device: torch.device | str = "cpu", seed: int = 0, cache: bool = True,
+               options: TinyModelOptions | None = None):
+    """Load `spec` (see module docstring) -> (model, tokenizer). `seed` and `options` (sizes) only
+    affect tiny-* models; a spec that cannot load raises ModelSpecError before any weights are read."""
     dtype = resolve_dtype(dtype)
     register()
     s = str(spec)
+    check_spec(s, options)
     if s in EMBEDDED_SPECS:
         model, tok = _load_gguf(embedded_gguf_path(), dtype, cache)
     elif s.startswith("tiny-"):
-        family = s[len("tiny-"):]
-        if family not in TINY_FAMILIES:
-            raise ValueError(f"unknown tiny model {s!r}; choose one of {['tiny-' + f for f in TINY_FAMILIES]}")
         tok = load_tokenizer("smollm2")
-        model = build_tiny_model(family, vocab_size=len(tok), seed=seed, dtype=dtype)
+        model = build_tiny_model(s[len("tiny-"):], vocab_size=len(tok), seed=seed, dtype=dtype,
+                                 **asdict(options or TinyModelOptions()))
         _sync_special_tokens(model, tok)
     else:
         path = Path(s).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(
-                f"model path {str(path)!r} does not exist (spec must be an existing HF directory, a .gguf "
-                f"file, one of {list(EMBEDDED_SPECS)}, or one of {['tiny-' + f for f in TINY_FAMILIES]})")
         if path.is_file():
-            if path.suffix.lower() != ".gguf":
-                raise ValueError(f"model file {str(path)!r} is not a .gguf; pass the HF directory instead")
             model, tok = _load_gguf(path, dtype, cache)
         else:
             model, tok = _load_hf_dir(path, dtype)
@@ -96,8 +187,6 @@ def load_model(spec: str | os.PathLike, *, dtype: torch.dtype | str = torch.floa
 
 def _load_hf_dir(path: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{str(path)!r} is not a Hugging Face model directory (no config.json)")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPL)
     tok = AutoTokenizer.from_pretrained(path)
     return model, tok
@@ -183,7 +272,8 @@ def load_tokenizer(spec: str | os.PathLike = "smollm2", *, cache: bool = True):
 def tiny_config(family: str, *, vocab_size: int, hidden_size: int = 64, num_layers: int = 2,
                 num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int | None = None,
                 initializer_range: float = 0.02, **overrides):
-    """A small config of the given family; GQA (num_kv_heads < num_heads) on by default."""
+    """A small config of the given family; GQA (num_kv_heads < num_heads) on by default.
+    `overrides` go to the HF config unchecked (tests); the trainer passes only TinyModelOptions."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
                   num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,

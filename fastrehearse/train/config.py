@@ -1,13 +1,21 @@
 """Trainer configuration: plain dataclasses, loaded from YAML with `--set key=value` overrides.
 
-Every key is checked at start: an unknown key fails naming the key, the allowed ones and the closest
-match; a mistyped value (e.g. a string for a float) fails naming the key, the expected and the given
-type. Nothing is silently ignored, so a typo in a 2-hour GPU run fails in the first second.
+Components own their configs and the train config nests them: `rollout` is the rollout engine's
+own RolloutConfig (plus the two keys only the trainer uses), `algo.loss` is the kernel's
+PolicyLossConfig, `model.options` the loader's TinyModelOptions; `env.options` are the suite
+constructor's keyword arguments, checked against its signature. So every key is checked at start
+(`load_config` + `preflight`, before any weights load): an unknown key fails naming the key, the
+allowed ones and the closest match; a mistyped value (e.g. a string for a float) fails naming the
+key, the expected and the given type. Nothing is silently ignored, so a typo in a 2-hour GPU run
+fails in the first seconds.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
+import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -15,6 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from fastrehearse.kernels import PolicyLossConfig
+from fastrehearse.model.loader import TinyModelOptions
+from fastrehearse.rollout.engine import RolloutConfig as EngineRolloutConfig
 
 ROLLOUT_MODES = ("rehearse", "real", "hybrid")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
@@ -33,33 +45,34 @@ class ModelConfig:
     # auto: bf16 params / fp32 gradient reduction on CUDA, fp32 everywhere on CPU.
     precision: str = "auto"
     activation_checkpointing: bool = False
-    # Keyword arguments for fastrehearse.model.load_model (e.g. tiny-model sizes); free-form.
-    options: dict = field(default_factory=dict)
+    # Sizes of a tiny-* model (fastrehearse.model.TinyModelOptions); other specs take none.
+    options: TinyModelOptions = field(default_factory=TinyModelOptions)
 
 
 @dataclass
 class EnvConfig:
     suite: str = "builtin"
-    options: dict = field(default_factory=dict)   # passed to fastrehearse.envs.get_suite
+    # Keyword arguments of the suite's constructor (fastrehearse.envs.get_suite): names and simple
+    # types are checked against its signature at start; values by the suite, also before the model loads.
+    options: dict = field(default_factory=dict)
     train_split: str = "train"
     eval_split: str = "test"
     max_train_tasks: int | None = None
 
 
 @dataclass
-class RolloutConfig:
-    mode: str = "rehearse"          # rehearse | real | hybrid (see fastrehearse.rollout)
-    hybrid_p: float = 0.5           # hybrid: probability that a call is executed for real
-    group_size: int = 4             # samples per task (the GRPO group)
-    tasks_per_step: int = 4         # tasks per RL step over all ranks (split evenly)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 128       # per generated turn
-    max_turns: int = 6
-    max_episode_tokens: int = 2048
+class RolloutConfig(EngineRolloutConfig):
+    """The rollout engine's own config (fastrehearse.rollout.RolloutConfig: every field of it is a
+    key here) plus what only the trainer uses. RL rollouts also score the world model by default."""
     measure_fidelity: bool = True   # also execute rehearsed calls (never shown to the model) to
                                     # score the world model: exact match / JSON field F1
-    options: dict = field(default_factory=dict)  # extra fastrehearse.rollout.RolloutConfig fields
+    group_size: int = 4             # samples per task (the GRPO group)
+    tasks_per_step: int = 4         # tasks per RL step over all ranks (split evenly)
+
+    def engine(self, **changes) -> EngineRolloutConfig:
+        """The engine's config (this section minus the trainer-only keys), with `changes`."""
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineRolloutConfig)}
+        return EngineRolloutConfig(**{**kw, **changes})
 
 
 @dataclass
@@ -74,21 +87,6 @@ class EvalConfig:
 
 
 @dataclass
-class LossConfig:
-    """Mirrors fastrehearse.kernels.PolicyLossConfig (the kernel owns the math)."""
-    w_act: float = 1.0
-    w_rehearse: float = 1.0
-    w_observed: float = 0.0
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    kl_coef: float = 0.0
-    kl_type: str = "k3"
-    entropy_coef: float = 0.0
-    temperature: float | None = None   # None: rollout.temperature (the ratio needs the same one)
-
-
-@dataclass
 class AlgoConfig:
     std_normalize: bool = False     # off by default, as in the paper's code (and Dr. GRPO)
     leave_one_out: bool = False
@@ -96,7 +94,9 @@ class AlgoConfig:
     aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
     norm_len: float | None = None   # Dr. GRPO constant (default: rollout.max_episode_tokens)
     updates_per_batch: int = 1      # optimizer steps per rollout batch (1 = strictly on-policy)
-    loss: LossConfig = field(default_factory=LossConfig)
+    # The kernel's own config. loss.temperature follows rollout.temperature unless set (then it
+    # must equal it: the importance ratio compares log-probs of the same tempered distribution).
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
 
 
 @dataclass
@@ -108,6 +108,10 @@ class OptimConfig:
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1       # cosine decays to lr * min_lr_ratio at the last step
     grad_clip: float = 1.0          # max global grad norm (0 = off)
+    # Keep a copy of the parameters and Adam moments across each optimizer step, so an update that
+    # leaves a non-finite weight is rolled back and counted as a skipped step (costs one extra copy
+    # of params + moments per rank; off: such an update stops training with an error instead).
+    rollback_nonfinite: bool = True
 
 
 @dataclass
@@ -133,7 +137,7 @@ class CheckpointConfig:
 class LogConfig:
     progress: bool = True           # tqdm progress bar (rank 0)
     plot_every: int = 1             # refresh the PNG every K steps (0 = only at the end)
-    tensorboard: bool = False       # used only when installed
+    tensorboard: bool = False       # run_dir/tb via torch.utils.tensorboard (needs `tensorboard`)
     wandb: bool = False             # used only when installed
     wandb_project: str = "fastrehearse"
 
@@ -145,7 +149,7 @@ class TrainConfig:
     steps: int = 10                 # RL steps (rollout batches)
     max_tokens: int = 4096          # token budget of one packed micro-batch
     device: str = "auto"            # auto | cpu | cuda
-    max_consecutive_skips: int = 3  # non-finite loss/grad-norm steps in a row before giving up
+    max_consecutive_skips: int = 3  # non-finite steps in a row before giving up
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -159,6 +163,8 @@ class TrainConfig:
 
 # ----------------------------------------------------------------------------------------------
 # Loading and checking
+
+_SCALARS = (int, float, str, bool, type(None))
 
 
 def _type_name(tp) -> str:
@@ -181,11 +187,16 @@ def _coerce(value: Any, tp, key: str) -> Any:
                 pass
         raise ConfigError(f"config key '{key}' must be {' or '.join(_type_name(a) for a in args)}, "
                           f"got {value!r} ({type(value).__name__})")
-    if origin is list:
+    if origin is typing.Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"config key '{key}' = {value!r} is not one of {list(typing.get_args(tp))}")
+        return value
+    if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"config key '{key}' must be a list, got {value!r} ({type(value).__name__})")
-        (inner,) = typing.get_args(tp) or (Any,)
-        return [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis] or [Any]
+        out = [_coerce(v, args[min(i, len(args) - 1)], f"{key}[{i}]") for i, v in enumerate(value)]
+        return out if origin is list else tuple(out)
     if tp is Any:
         return value
     if tp is dict or origin is dict:
@@ -215,15 +226,24 @@ def _coerce(value: Any, tp, key: str) -> Any:
     raise ConfigError(f"config key '{key}': unsupported annotation {tp!r}")  # pragma: no cover
 
 
-def _unknown(key: str, allowed: list[str]) -> ConfigError:
+def _unknown(key: str, allowed: list[str], what: str = "config key") -> ConfigError:
     leaf = key.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(leaf, allowed, n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
-    return ConfigError(f"unknown config key '{key}'{hint}; allowed keys here: {sorted(allowed)}")
+    return ConfigError(f"unknown {what} '{key}'{hint}; allowed keys here: {sorted(allowed)}")
 
 
-def from_dict(cls, data: dict, prefix: str = ""):
-    """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types."""
+def _build(cls, kwargs: dict, prefix: str):
+    """cls(**kwargs); a component's own value check (ValueError in __post_init__) names the section."""
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"config section '{prefix.rstrip('.') or '<root>'}': {e}") from None
+
+
+def from_dict(cls, data: dict, prefix: str = "", seen: set | None = None):
+    """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types. The dotted
+    keys given are added to `seen` (to tell a default from an explicit value)."""
     if not isinstance(data, dict):
         raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}' must be a mapping (a "
                           f"section), got {data!r} ({type(data).__name__})")
@@ -234,16 +254,22 @@ def from_dict(cls, data: dict, prefix: str = ""):
         key = f"{prefix}{k}"
         if k not in names:
             raise _unknown(key, names)
+        if seen is not None:
+            seen.add(key)
         tp = hints[k]
         if dataclasses.is_dataclass(tp):
-            kwargs[k] = from_dict(tp, v if v is not None else {}, prefix=f"{key}.")
+            kwargs[k] = from_dict(tp, v if v is not None else {}, prefix=f"{key}.", seen=seen)
         else:
             kwargs[k] = _coerce(v, tp, key)
-    return cls(**kwargs)
+    return _build(cls, kwargs, prefix)
 
 
-def apply_override(cfg, assignment: str):
-    """Apply one `a.b.c=value` (value parsed as YAML: 1e-5, true, null, [0.9, 0.95], text)."""
+def apply_override(cfg, assignment: str, seen: set | None = None):
+    """Apply one `a.b.c=value` (value parsed as YAML: 1e-5, true, null, [0.9, 0.95], text).
+
+    A mapping given for a section or for a free-form dict (`env.options={level: mixed}`) is merged
+    into what is there; `env.options.level=mixed` sets one entry.
+    """
     if "=" not in assignment:
         raise ConfigError(f"--set expects key=value, got {assignment!r}")
     dotted, raw = assignment.split("=", 1)
@@ -260,13 +286,31 @@ def apply_override(cfg, assignment: str):
         if part not in names:
             raise _unknown(key, names)
         tp = typing.get_type_hints(type(obj))[part]
-        if i == len(parts) - 1:
+        last = i == len(parts) - 1
+        if seen is not None:
+            seen.add(key)
+        if not last and (tp is dict or typing.get_origin(tp) is dict):
+            # a.options.k=v: one entry of a free-form mapping
+            getattr(obj, part)[".".join(parts[i + 1:])] = value
+            if seen is not None:
+                seen.add(dotted)
+            return cfg
+        if last:
             if dataclasses.is_dataclass(tp):
-                merged = {**dataclasses.asdict(getattr(obj, part)), **(value or {})} \
+                if isinstance(value, dict) and seen is not None:
+                    seen.update(f"{key}.{k}" for k in value)
+                merged = {**_shallow(getattr(obj, part)), **(value or {})} \
                     if isinstance(value, dict) else value
                 setattr(obj, part, from_dict(tp, merged, prefix=f"{key}."))
+            elif isinstance(value, dict) and (tp is dict or typing.get_origin(tp) is dict):
+                setattr(obj, part, {**getattr(obj, part), **value})
             else:
-                setattr(obj, part, _coerce(value, tp, key))
+                try:
+                    setattr(obj, part, _coerce(value, tp, key))
+                except (ValueError, TypeError) as e:   # a component checking on assignment
+                    if isinstance(e, ConfigError):
+                        raise
+                    raise ConfigError(f"config key '{key}': {e}") from None
         else:
             if not dataclasses.is_dataclass(tp):
                 raise ConfigError(f"config key '{key}' is a {_type_name(tp)}, not a section; "
@@ -275,8 +319,23 @@ def apply_override(cfg, assignment: str):
     return cfg
 
 
-def validate(cfg: TrainConfig) -> TrainConfig:
-    """Value checks beyond types (choices, ranges)."""
+def _shallow(obj) -> dict:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def _walk(obj, prefix=""):
+    """(dotted key, value) of every leaf of a config dataclass."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            yield from _walk(v, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", v
+
+
+def validate(cfg: TrainConfig, explicit: set | frozenset = frozenset()) -> TrainConfig:
+    """Value checks beyond types (choices, ranges). `explicit`: the dotted keys the user set (a
+    default algo.loss.temperature follows rollout.temperature; a set one must equal it)."""
     from fastrehearse.algo.aggregation import AGGREGATIONS
 
     def choice(key, value, allowed):
@@ -287,37 +346,53 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if value < 0 or (value == 0 and not zero_ok):
             raise ConfigError(f"config key '{key}' must be {'>= 0' if zero_ok else '> 0'}, got {value}")
 
+    for key, v in _walk(cfg):
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"config key '{key}' must be a finite number, got {v}")
     choice("rollout.mode", cfg.rollout.mode, ROLLOUT_MODES)
     choice("eval.mode", cfg.eval.mode, ROLLOUT_MODES)
     choice("algo.aggregation", cfg.algo.aggregation, AGGREGATIONS)
     choice("algo.loss.kl_type", cfg.algo.loss.kl_type, KL_TYPES)
+    if cfg.algo.loss.kl_type == "low_var_kl":
+        cfg.algo.loss.kl_type = "k3"
     choice("model.precision", cfg.model.precision, PRECISIONS)
     choice("device", cfg.device, ("auto", "cpu", "cuda"))
     for key in ("rollout.group_size", "rollout.tasks_per_step", "rollout.max_new_tokens",
                 "rollout.max_turns", "rollout.max_episode_tokens", "max_tokens",
-                "algo.updates_per_batch", "max_consecutive_skips", "sft.tasks_per_step"):
+                "algo.updates_per_batch", "max_consecutive_skips", "sft.tasks_per_step", "optim.lr"):
         positive(key, _get(cfg, key))
-    for key in ("steps", "sft.steps", "optim.lr", "sft.lr", "optim.grad_clip", "optim.warmup_steps",
+    for key in ("steps", "sft.steps", "sft.lr", "optim.grad_clip", "optim.warmup_steps",
                 "checkpoint.every", "algo.loss.kl_coef", "algo.loss.clip_low", "algo.loss.clip_high",
-                "log.plot_every", "eval.num_tasks", "eval.temperature"):
-        positive(key, _get(cfg, key), zero_ok=True)
+                "log.plot_every", "eval.num_tasks", "eval.temperature", "optim.weight_decay",
+                "optim.eps", "optim.min_lr_ratio", "env.max_train_tasks"):
+        if _get(cfg, key) is not None:
+            positive(key, _get(cfg, key), zero_ok=True)
+    if cfg.sft.steps > 0 and cfg.sft.lr == 0:
+        raise ConfigError(f"config key 'sft.lr' must be > 0 when sft.steps > 0 (got 0 with "
+                          f"sft.steps={cfg.sft.steps}): the warm-up would train nothing")
     positive("checkpoint.keep", cfg.checkpoint.keep)
-    if cfg.model.options and not cfg.model.spec.startswith("tiny-"):
+    if cfg.model.options != TinyModelOptions() and not cfg.model.spec.startswith("tiny-"):
         raise ConfigError(f"config key 'model.options' is only used with tiny-* models, got "
-                          f"{cfg.model.options} for model.spec={cfg.model.spec!r}")
+                          f"{dataclasses.asdict(cfg.model.options)} for model.spec={cfg.model.spec!r}")
     positive("rollout.temperature", cfg.rollout.temperature)
-    if not 0.0 <= cfg.rollout.hybrid_p <= 1.0:
-        raise ConfigError(f"config key 'rollout.hybrid_p' must be in [0, 1], got {cfg.rollout.hybrid_p}")
+    try:
+        cfg.rollout.engine().validate()
+    except ValueError as e:
+        raise ConfigError(f"config section 'rollout': {e}") from None
     if cfg.algo.loss.dual_clip is not None and cfg.algo.loss.dual_clip <= 1.0:
         raise ConfigError(f"config key 'algo.loss.dual_clip' must be > 1 (or null), got "
                           f"{cfg.algo.loss.dual_clip}")
-    t = cfg.algo.loss.temperature
-    if t is not None and cfg.rollout.temperature > 0 and t != cfg.rollout.temperature:
-        raise ConfigError(f"config key 'algo.loss.temperature' ({cfg.algo.loss.temperature}) must equal "
-                          f"'rollout.temperature' ({cfg.rollout.temperature}): the importance ratio "
-                          f"compares log-probs of the same tempered distribution")
-    if len(cfg.optim.betas) != 2:
-        raise ConfigError(f"config key 'optim.betas' must have 2 entries, got {cfg.optim.betas}")
+    want = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+    if "algo.loss.temperature" in explicit:
+        t = cfg.algo.loss.temperature
+        if cfg.rollout.temperature > 0 and t != cfg.rollout.temperature:
+            raise ConfigError(f"config key 'algo.loss.temperature' ({t}) must equal "
+                              f"'rollout.temperature' ({cfg.rollout.temperature}): the importance ratio "
+                              f"compares log-probs of the same tempered distribution")
+    else:
+        cfg.algo.loss.temperature = want
+    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
+        raise ConfigError(f"config key 'optim.betas' must be 2 numbers in [0, 1), got {cfg.optim.betas}")
     if cfg.max_tokens < cfg.rollout.max_episode_tokens:
         raise ConfigError(f"config key 'max_tokens' ({cfg.max_tokens}) must be >= "
                           f"'rollout.max_episode_tokens' ({cfg.rollout.max_episode_tokens}): a "
@@ -325,20 +400,76 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
+def warnings_for(cfg: TrainConfig) -> list[str]:
+    """Settings that are legal but train less than a user may think (printed at start)."""
+    out = []
+    if cfg.steps > 0 and cfg.rollout.group_size == 1:
+        out.append("rollout.group_size=1: a group of one episode has no baseline, so every GRPO "
+                   "advantage is 0 (zero_signal_groups is 1.0); only the entropy / KL / CE terms train")
+    return out
+
+
 EMBEDDED_MODELS = ("smollm2", "embedded")
 
 
 def check_model_path(cfg: TrainConfig) -> None:
-    """Fail in the first second (not after the imports and rendezvous) when model.spec names a
-    local path that does not exist. Separate from `validate` so GPU presets that point at
-    /models/... still load on machines without those weights."""
-    spec = cfg.model.spec
-    if spec in EMBEDDED_MODELS or spec.startswith("tiny-"):
+    """Fail in the first seconds (not after the imports and rendezvous) when model.spec cannot
+    load: a local path that does not exist, a directory without config.json or weights, a
+    truncated safetensors file, bad tiny-model sizes. Separate from `validate` so GPU presets that
+    point at /models/... still load on machines without those weights."""
+    from fastrehearse.model.loader import ModelSpecError, check_spec
+    try:
+        check_spec(cfg.model.spec, cfg.model.options)
+    except ModelSpecError as e:
+        raise ConfigError(f"{e} (config key 'model.spec')") from None
+
+
+def check_env(cfg: TrainConfig) -> None:
+    """env.suite exists and env.options are keyword arguments of its constructor (simple types
+    checked too), without building the suite (its values are checked when it is built, which the
+    trainer also does before loading the model)."""
+    from fastrehearse.envs import SUITES, suite_class
+    if cfg.env.suite not in SUITES:
+        close = difflib.get_close_matches(cfg.env.suite, list(SUITES), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"config key 'env.suite' = {cfg.env.suite!r} is not a suite{hint}; "
+                          f"available: {sorted(SUITES)}")
+    try:
+        cls = suite_class(cfg.env.suite)
+    except ImportError as e:
+        raise ConfigError(f"config key 'env.suite': {e}") from None
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return
-    if not Path(spec).expanduser().exists():
-        raise ConfigError(f"model path '{spec}' does not exist (config key 'model.spec' must be an "
-                          f"existing HF directory, a .gguf file, one of {list(EMBEDDED_MODELS)}, or "
-                          f"tiny-llama / tiny-qwen2 / tiny-qwen3)")
+    allowed = [k for k, p in params.items() if k != "self" and p.kind is not p.VAR_POSITIONAL]
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: names are still checked
+        hints = {}
+    for k, v in cfg.env.options.items():
+        key = f"env.options.{k}"
+        if k not in allowed:
+            raise _unknown(key, allowed)
+        tp = hints.get(k)
+        simple = tp in _SCALARS or (typing.get_origin(tp) in (typing.Union, types.UnionType)
+                                    and all(a in _SCALARS for a in typing.get_args(tp)))
+        if tp is not None and simple:
+            _coerce(v, tp, key)
+
+
+def check_device(cfg: TrainConfig) -> None:
+    if cfg.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise ConfigError("config key 'device' = 'cuda' but CUDA is not available here "
+                              "(torch.cuda.is_available() is False); use device=auto or device=cpu")
+
+
+def preflight(cfg: TrainConfig) -> None:
+    """Every check that needs no weights: model files, suite and its options, device."""
+    check_model_path(cfg)
+    check_env(cfg)
+    check_device(cfg)
 
 
 def _get(cfg, dotted: str):
@@ -355,13 +486,55 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if not p.is_file():
             raise ConfigError(f"config file not found: {str(p)!r}")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            text = p.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {str(p)!r} is not a text (YAML) file") from None
+        if "\x00" in text:
+            raise ConfigError(f"config file {str(p)!r} is not a text (YAML) file")
+        try:
+            data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
-    cfg = from_dict(TrainConfig, data)
+    seen: set = set()
+    cfg = from_dict(TrainConfig, data, seen=seen)
     for o in overrides:
-        apply_override(cfg, o)
-    return validate(cfg)
+        apply_override(cfg, o, seen=seen)
+    return validate(cfg, explicit=seen)
+
+
+# ----------------------------------------------------------------------------------------------
+# Resume: which keys may change
+
+
+# Keys (or sections, ending in ".") a resumed run may change: they take effect from the resumed
+# step and are announced. Everything else (model, shapes, seed, data, rollout, loss, SFT layout)
+# must match the checkpoint's config, or the resumed run would not be the run it claims to be.
+RESUME_MAY_CHANGE = ("steps", "run_dir", "device", "max_tokens", "max_consecutive_skips",
+                     "model.activation_checkpointing", "optim.", "sft.lr", "sft.warmup_steps",
+                     "checkpoint.", "log.", "eval.")
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and not (prefix + k).endswith("env.options"):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def resume_changes(old: dict, new: dict) -> tuple[list, list]:
+    """(allowed, forbidden) lists of (key, old value, new value) between two config dicts. A key
+    the old config lacks (added to the code since) counts as unchanged."""
+    a, b = flatten(old), flatten(new)
+    allowed, forbidden = [], []
+    for k in sorted(b):
+        if k not in a or a[k] == b[k]:
+            continue
+        ok = any(k == p or (p.endswith(".") and k.startswith(p)) for p in RESUME_MAY_CHANGE)
+        (allowed if ok else forbidden).append((k, a[k], b[k]))
+    return allowed, forbidden
 
 
 def to_dict(cfg) -> dict:
@@ -369,4 +542,16 @@ def to_dict(cfg) -> dict:
 
 
 def dump_config(cfg: TrainConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    """Write atomically (a kill or a full disk never leaves a half-written config.yaml)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    os.replace(tmp, path)
+
+
+def read_config_dict(path: str | Path) -> dict | None:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -2,15 +2,18 @@
 
 The result loads with `AutoModelForCausalLM.from_pretrained(dir)` / `AutoTokenizer.from_pretrained
 (dir)`, with no fastrehearse import needed. Sharded (FSDP2) parameters are gathered first.
+It is written to `<dir>.tmp` and renamed, so a kill or a full disk never leaves a half export.
 """
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from .checkpoint import full_model_state_dict
+from .errors import disk_full_guard
 from .parallelize import DistInfo, barrier
 
 
@@ -38,13 +41,22 @@ def export_hf(root: nn.Module, hf_model: nn.Module, tokenizer, out_dir: str | Pa
     out = Path(out_dir)
     sd = _strip(full_model_state_dict(root), hf_prefix(root, hf_model))
     if info.is_main:
-        out.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
         if dtype is not None:
             sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
-        # Tied embeddings: lm_head.weight and embed_tokens.weight are one tensor; save_pretrained
-        # drops the duplicate per the config's tie_word_embeddings.
-        hf_model.save_pretrained(out, state_dict=sd, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out)
+        try:
+            with disk_full_guard(tmp, keeping="the checkpoints are kept; free space and rerun with --resume"):
+                # Tied embeddings: lm_head.weight and embed_tokens.weight are one tensor;
+                # save_pretrained drops the duplicate per the config's tie_word_embeddings.
+                hf_model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
     barrier(info)
     return out

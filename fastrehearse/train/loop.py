@@ -11,8 +11,12 @@ One RL step:
   6. update    fused policy loss per micro-batch, each role divided by its GLOBAL token count, so
                gradients summed over micro-batches and ranks (FSDP2 SUM reduction) are the full-batch
                gradient at any world size; AdamW, warm-up + cosine, grad-norm clipping; a non-finite
-               loss or grad norm skips the step
+               loss, grad norm or updated weight skips the step (the update is rolled back)
   7. metrics / checkpoint (every K steps and on SIGTERM)
+
+Before any of it, `prepare_run_dir` refuses a run_dir that holds another run (unless --resume or
+--overwrite) and, on --resume, a changed setting the checkpoint cannot honour; the suite and its
+tasks are built before the model loads, so bad env settings fail in seconds.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 from torch import nn
 
 from fastrehearse.algo import AdvantageConfig, compute_advantages, local_counts, token_weights
@@ -34,15 +39,20 @@ from fastrehearse.data import Episode
 from fastrehearse.kernels.roles import NUM_ROLES, Role
 
 from .checkpoint import Checkpointer, full_model_state_dict
-from .config import TrainConfig, dump_config, to_dict
+from .config import (ConfigError, TrainConfig, dump_config, read_config_dict, resume_changes, to_dict,
+                     warnings_for)
+from .errors import DiskFullError, TrainingError, disk_full_guard
 from .export import export_hf, hf_prefix
 from .metrics import MetricsLogger, final_table
-from .parallelize import (DistInfo, all_gather_object, all_reduce_sum, destroy_distributed,
-                          init_distributed, parallelize)
+from .parallelize import (DistInfo, all_gather_object, all_reduce_sum, broadcast_object,
+                          destroy_distributed, init_distributed, parallelize)
 
+__all__ = ["train", "setup", "TrainingError", "DiskFullError", "TrainState", "Run"]
 
-class TrainingError(RuntimeError):
-    """Training cannot continue (e.g. too many consecutive non-finite steps)."""
+# What a run leaves in run_dir: a run_dir holding any of RUN_FILES holds a run; --overwrite
+# removes RUN_OUTPUTS (nothing else).
+RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "export", "summary.json")
+RUN_OUTPUTS = RUN_FILES + ("curves.png", "summary.md", "tb", "export.tmp")
 
 
 @dataclass
@@ -77,38 +87,54 @@ class Run:
     logger: MetricsLogger
     stop_requested: bool = False
     template: object = None        # ChatTemplate for gold trajectories (built on first use)
+    config_text: str = ""          # config.yaml of this run (also stored in each checkpoint)
 
 
 # ==============================================================================================
 # Entry point
 
 
-def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
-    """Run the whole recipe; returns the summary (also written to run_dir/summary.json)."""
+def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) -> dict:
+    """Run the whole recipe; returns the summary (also written to run_dir/summary.json).
+
+    resume: continue the latest complete checkpoint in run_dir (docs/training.md says what may
+    change); overwrite: replace the run run_dir holds. Without either, a run_dir holding a run is
+    refused (ConfigError) before anything is written."""
     info = init_distributed(cfg.device)
     previous = signal.getsignal(signal.SIGTERM)
     try:
-        return _train(cfg, info, resume)
+        return _train(cfg, info, resume, overwrite)
     finally:
         _restore_sigterm(previous)
         destroy_distributed()
 
 
-def _train(cfg: TrainConfig, info: DistInfo, resume: bool) -> dict:
+def _train(cfg: TrainConfig, info: DistInfo, resume: bool, overwrite: bool) -> dict:
     t_start = time.perf_counter()
+    notes = prepare_run_dir(cfg, info, resume=resume, overwrite=overwrite)
     run = setup(cfg, info)
+    if cfg.steps > 0:
+        check_prompt_lengths(cfg, run.suite, run.train_tasks, run.tokenizer)
+    for n in notes + warnings_for(cfg):
+        run.logger.write(n)
     ckpt = Checkpointer(cfg.run_dir, info, keep=cfg.checkpoint.keep)
+    resumed_at = None
     if resume:
-        path = ckpt.resolve_resume()
+        had_any = bool(ckpt.complete())
+        path, st = ckpt.load_latest(run.policy, run.optimizer, log=run.logger.write)
+        if path is None and had_any:
+            raise TrainingError(f"--resume: no checkpoint in {ckpt.root} could be loaded (see above); "
+                                f"config.yaml and metrics.jsonl were left as they were")
         if path is None:
-            run.logger.write(f"--resume: no complete checkpoint in {cfg.run_dir}/checkpoints; "
-                             f"starting from scratch")
+            run.logger.write(f"--resume: no complete checkpoint in {ckpt.root}; starting from scratch")
         else:
-            st = ckpt.load(path, run.policy, run.optimizer)
             run.state = TrainState(**st)
-            run.scheduler.load_state_dict(run.state.scheduler)
+            apply_optim_settings(run)
             sync_generation_weights(run)
-            run.logger.write(f"resumed from {path} (step {run.state.step})")
+            resumed_at = run.state.step
+            run.logger.write(f"resumed from {path} (step {run.state.step}); lr now "
+                             f"{run.scheduler.get_last_lr()[0]:.4g}")
+    write_run_config(run, resumed_at)
     _install_sigterm(run)
 
     if run.state.eval_before is None and cfg.eval.before:
@@ -155,12 +181,102 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool) -> dict:
 # Setup
 
 
+def prepare_run_dir(cfg: TrainConfig, info: DistInfo, *, resume: bool, overwrite: bool) -> list[str]:
+    """Checks on run_dir before anything is written or loaded (rank 0 decides, every rank agrees).
+
+    Without --resume, a run_dir holding a run is refused unless --overwrite (which removes that
+    run's outputs). With --resume, the config is compared with the latest checkpoint's: a changed
+    key outside config.RESUME_MAY_CHANGE is refused naming it; allowed changes are announced.
+    Returns the messages to print."""
+    err, notes = None, []
+    if info.is_main:
+        try:
+            notes = _check_run_dir(cfg, resume, overwrite)
+        except ConfigError as e:
+            err = str(e)
+    err, notes = broadcast_object((err, notes), info)
+    if err:
+        raise ConfigError(err)
+    return notes
+
+
+def _check_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> list[str]:
+    run_dir = Path(cfg.run_dir)
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite contradict each other: pick one")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run_dir '{run_dir}' exists and is not a directory")
+    found = [n for n in RUN_FILES if (run_dir / n).exists()
+             and not ((run_dir / n).is_dir() and not any((run_dir / n).iterdir()))]
+    if not resume:
+        if found and not overwrite:
+            raise ConfigError(f"run_dir '{run_dir}' already holds a run ({', '.join(found)}); pass "
+                              f"--resume to continue it, --overwrite to replace it, or set another run_dir")
+        if found:
+            import shutil
+            for n in RUN_OUTPUTS:
+                q = run_dir / n
+                if q.is_dir():
+                    shutil.rmtree(q)
+                elif q.exists():
+                    q.unlink()
+            return [f"--overwrite: removed the previous run's {', '.join(found)} from {run_dir}"]
+        return []
+    latest = Checkpointer(run_dir, DistInfo(0, 1, 0, torch.device("cpu"), None)).latest()
+    if latest is None:
+        return []
+    old = read_config_dict(latest / "config.yaml") or read_config_dict(run_dir / "config.yaml")
+    if old is None:
+        return [f"--resume: no saved config to compare with in {latest} or {run_dir}; settings not checked"]
+    allowed, forbidden = resume_changes(old, to_dict(cfg))
+    if forbidden:
+        changes = "; ".join(f"'{k}' {a!r} -> {b!r}" for k, a, b in forbidden)
+        raise ConfigError(f"--resume cannot change {changes}: {latest.name} was trained with the old "
+                          f"value(s). Resume with them, or start a new run_dir (docs/training.md lists "
+                          f"what may change on resume)")
+    step = int(latest.name.split("_")[1])
+    return [f"--resume: '{k}' changed {a!r} -> {b!r} (takes effect from step {step})"
+            for k, a, b in allowed]
+
+
+def write_run_config(run: Run, resumed_at: int | None) -> None:
+    """run_dir/config.yaml, written once the run has started (a resume: once the checkpoint loaded).
+    A previous config.yaml that differs is kept as config.until_step_XXXXXXXX.yaml."""
+    if not run.info.is_main:
+        return
+    run_dir = Path(run.cfg.run_dir)
+    path = run_dir / "config.yaml"
+    with disk_full_guard(path):
+        if path.exists() and path.read_text() != run.config_text:
+            kept = run_dir / f"config.until_step_{resumed_at or 0:08d}.yaml"
+            os.replace(path, kept)
+            run.logger.write(f"config.yaml changed; the previous one is kept as {kept.name}")
+        dump_config(run.cfg, path)
+
+
+def apply_optim_settings(run: Run) -> None:
+    """After a checkpoint loads: the optimizer's hyper-parameters and the LR schedule follow the
+    current config from the resumed step on (the checkpoint holds the old ones). With an unchanged
+    config this gives the uninterrupted run's lr exactly: LambdaLR computes base_lr * f(step)."""
+    o, step = run.cfg.optim, run.state.step
+    fn = LRSchedule(run.cfg)
+    groups = run.optimizer.param_groups
+    for g in groups:
+        g.update(initial_lr=o.lr, lr=o.lr * fn(step), betas=tuple(o.betas), eps=o.eps,
+                 weight_decay=o.weight_decay)
+    run.scheduler.lr_lambdas = [fn] * len(groups)
+    run.scheduler.base_lrs = [o.lr] * len(groups)
+    run.scheduler.last_epoch = step
+    run.scheduler._last_lr = [g["lr"] for g in groups]
+
+
 def setup(cfg: TrainConfig, info: DistInfo) -> Run:
     _seed_everything(cfg.seed)
     run_dir = Path(cfg.run_dir)
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, run_dir / "config.yaml")
+    # The suite and its tasks first: a bad suite option or split fails before the model loads.
+    suite, train_tasks, eval_tasks = build_tasks(cfg)
     hf_model, tokenizer = load_policy_model(cfg)
     ref = copy.deepcopy(hf_model).requires_grad_(False) if cfg.algo.loss.kl_coef > 0 else None
     # Rollouts need the whole model on every rank; a sharded model would all-gather per decode
@@ -186,13 +302,6 @@ def setup(cfg: TrainConfig, info: DistInfo) -> Run:
                                   betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=LRSchedule(cfg))
 
-    from fastrehearse.envs import get_suite
-    suite = get_suite(cfg.env.suite, **cfg.env.options)
-    train_tasks = suite.tasks(cfg.env.train_split, limit=cfg.env.max_train_tasks)
-    eval_tasks = suite.tasks(cfg.env.eval_split, limit=cfg.eval.num_tasks) if cfg.eval.num_tasks else []
-    if not train_tasks:
-        raise ValueError(f"suite {cfg.env.suite!r} has no tasks in split {cfg.env.train_split!r}")
-
     logger = MetricsLogger(run_dir, enabled=info.is_main, total_steps=cfg.sft.steps + cfg.steps,
                            progress=cfg.log.progress, plot_every=cfg.log.plot_every,
                            tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
@@ -204,25 +313,62 @@ def setup(cfg: TrainConfig, info: DistInfo) -> Run:
                      f"{info.device}) | {len(train_tasks)} train / {len(eval_tasks)} eval tasks | "
                      f"run_dir {run_dir}")
     return Run(cfg, info, policy, hf_model, gen_model, ref, tokenizer, suite, train_tasks, eval_tasks,
-               optimizer, scheduler, TrainState(), logger)
+               optimizer, scheduler, TrainState(), logger,
+               config_text=yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def build_tasks(cfg: TrainConfig):
+    """(suite, train tasks, eval tasks); a bad option, split or empty split is a ConfigError."""
+    from fastrehearse.envs import get_suite
+    try:
+        suite = get_suite(cfg.env.suite, **cfg.env.options)
+        train_tasks = suite.tasks(cfg.env.train_split, limit=cfg.env.max_train_tasks)
+        eval_tasks = suite.tasks(cfg.env.eval_split, limit=cfg.eval.num_tasks) if cfg.eval.num_tasks else []
+    except (ValueError, KeyError, ImportError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        raise ConfigError(f"env (suite {cfg.env.suite!r}, options {cfg.env.options}, splits "
+                          f"{cfg.env.train_split!r} / {cfg.env.eval_split!r}): {msg}") from None
+    if not train_tasks:
+        raise ConfigError(f"suite {cfg.env.suite!r} has no tasks in split {cfg.env.train_split!r} "
+                          f"(config key 'env.train_split')")
+    return suite, train_tasks, eval_tasks
+
+
+def check_prompt_lengths(cfg: TrainConfig, suite, tasks: list, tokenizer, sample: int = 16) -> None:
+    """A prompt that fills rollout.max_episode_tokens leaves nothing to generate: refuse when every
+    sampled task's prompt does, warn when some do."""
+    from fastrehearse.rollout.template import ChatTemplate
+    tmpl = ChatTemplate(tokenizer)
+    budget = cfg.rollout.max_episode_tokens
+    lens = []
+    for t in tasks[:sample]:
+        env = suite.make_env()
+        try:
+            reset = env.reset(t)
+        finally:
+            env.close()
+        lens.append(len(tmpl.render(list(reset.messages), reset.tools, add_generation_prompt=True).input_ids))
+    over = [n for n in lens if n >= budget]
+    if not over:
+        return
+    msg = (f"{len(over)} of the first {len(lens)} train prompts are {min(over)}-{max(over)} tokens, "
+           f">= rollout.max_episode_tokens={budget}: nothing would be generated or trained for them")
+    if len(over) == len(lens):
+        raise ConfigError(f"config key 'rollout.max_episode_tokens': {msg}; raise it above {max(over)}")
+    print(f"[fastrehearse] warning: {msg}", flush=True)
 
 
 def load_policy_model(cfg: TrainConfig):
     """(model, tokenizer) in fp32 (FSDP2 keeps fp32 master weights; bf16 is a compute cast).
 
-    A missing path fails here with the loader's message naming the path and the accepted specs.
-    """
+    A spec that cannot load fails with a ConfigError naming the path (files are checked before
+    any weights are read); model.options are a tiny-* model's sizes."""
     from fastrehearse import model as fm
-    spec, opts = cfg.model.spec, dict(cfg.model.options)
-    if spec.startswith("tiny-") and opts:
-        # Tiny random model with sizes from the config (tests and smoke runs).
-        tok = fm.load_tokenizer("smollm2")
-        model = fm.build_tiny_model(spec[len("tiny-"):], vocab_size=len(tok), seed=cfg.seed, **opts)
-        for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
-            if getattr(tok, name, None) is not None:
-                setattr(model.config, name, getattr(tok, name))
-        return model, tok
-    return fm.load_model(spec, dtype=torch.float32, seed=cfg.seed)
+    from fastrehearse.model.loader import ModelSpecError
+    try:
+        return fm.load_model(cfg.model.spec, dtype=torch.float32, seed=cfg.seed, options=cfg.model.options)
+    except ModelSpecError as e:
+        raise ConfigError(f"{e} (config key 'model.spec')") from None
 
 
 class LRSchedule:
@@ -280,7 +426,13 @@ def rl_step(run: Run) -> dict:
     adv = compute_advantages(episodes, AdvantageConfig(std_normalize=a.std_normalize,
                                                        leave_one_out=a.leave_one_out,
                                                        turn_reward_coef=a.turn_reward_coef))
-    row["zero_signal_groups"] = adv.zero_std_frac.get("ACT", 0.0)
+    # The algo counts equal-reward groups of 2+; a group of one (group_size 1, or a task whose other
+    # samples failed) has no baseline either, so it carries no signal too.
+    sizes = {}
+    for e in episodes:
+        sizes[e.task_id] = sizes.get(e.task_id, 0) + 1
+    singles = sum(1 for n in sizes.values() if n == 1) / max(len(sizes), 1)
+    row["zero_signal_groups"] = adv.zero_std_frac.get("ACT", 0.0) + singles
     # 4-6. pack, old/ref log-probs, update
     row.update(policy_update(run, episodes, stage="rl"))
     sync_generation_weights(run)
@@ -303,6 +455,11 @@ def policy_update(run: Run, episodes: list[Episode], *, stage: str) -> dict:
                                 norm_len=cfg.algo.norm_len or cfg.rollout.max_episode_tokens)
     if stage == "rl":
         _fill_old_and_ref_logp(run, batches)
+        bad = sum(int((~torch.isfinite(b.old_logp)).sum()) for b in batches)
+        if run.ref is not None:
+            bad += sum(int((~torch.isfinite(b.ref_logp)).sum()) for b in batches)
+        if all_reduce_sum(torch.tensor([float(bad)], dtype=torch.float64), info).item() > 0:
+            return _skip(run, {"train_tokens": n_tokens}, reason=f"{bad} non-finite old/reference log-probs")
 
     out = {}
     t0 = time.perf_counter()
@@ -337,9 +494,51 @@ def _one_update(run: Run, batches, counts, weights, stage: str) -> dict:
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         run.optimizer.zero_grad(set_to_none=True)
         return _skip(run, row, reason=f"non-finite loss {loss} / grad norm {grad_norm}")
+    snap = _snapshot(run) if cfg.optim.rollback_nonfinite else None
     run.optimizer.step()
+    bad = sum(int(not bool(torch.isfinite(_local(p)).all())) for p in run.policy.parameters())
+    if all_reduce_sum(torch.tensor([float(bad)], dtype=torch.float64), info).item() > 0:
+        run.optimizer.zero_grad(set_to_none=True)
+        if snap is None:
+            raise TrainingError(f"step {run.state.step + 1}: the update left non-finite weights and "
+                                f"optim.rollback_nonfinite is off; stopping (lower optim.lr)")
+        _restore(run, snap)
+        return _skip(run, row, reason=f"the update left non-finite weights (lr {run.optimizer.param_groups[0]['lr']:.3g}); rolled back")
     run.state.consecutive_skips = 0
     return row
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _snapshot(run: Run):
+    """Copies of this rank's parameter shards and optimizer state, to undo one optimizer step."""
+    params = [p for g in run.optimizer.param_groups for p in g["params"]]
+    saved = []
+    for p in params:
+        st = run.optimizer.state.get(p)
+        saved.append((_local(p).clone(),
+                      None if st is None else {k: (_local(v).clone() if torch.is_tensor(v) else copy.deepcopy(v))
+                                               for k, v in st.items()}))
+    return params, saved
+
+
+@torch.no_grad()
+def _restore(run: Run, snap) -> None:
+    params, saved = snap
+    for p, (value, st) in zip(params, saved):
+        _local(p).copy_(value)
+        if st is None:
+            run.optimizer.state.pop(p, None)
+            continue
+        cur = run.optimizer.state[p]
+        for k, v in st.items():
+            if torch.is_tensor(v) and torch.is_tensor(cur.get(k)):
+                _local(cur[k]).copy_(v)
+            else:
+                cur[k] = v
 
 
 def _skip(run: Run, row: dict, reason: str) -> dict:
@@ -348,24 +547,18 @@ def _skip(run: Run, row: dict, reason: str) -> dict:
     st.skipped_steps += 1
     run.logger.write(f"step {st.step + 1} skipped ({reason}); {st.consecutive_skips} in a row")
     if st.consecutive_skips >= run.cfg.max_consecutive_skips:
+        ckpt = Checkpointer(run.cfg.run_dir, run.info).latest()
         raise TrainingError(f"{st.consecutive_skips} consecutive steps skipped (last: {reason}); "
                             f"stopping (max_consecutive_skips={run.cfg.max_consecutive_skips}). "
-                            f"Lower optim.lr or check the data.")
+                            f"Lower optim.lr or check the data. Last complete checkpoint: {ckpt}")
     return {**row, "skipped": 1}
 
 
-def _policy_loss_config(cfg: TrainConfig):
-    from fastrehearse.kernels import PolicyLossConfig
-    lc = to_dict(cfg.algo.loss)
-    if lc["temperature"] is None:
-        lc["temperature"] = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-    return PolicyLossConfig(**lc)
-
-
 def _rl_head(cfg: TrainConfig, b, token_counts, w):
-    """The loss head run inside the (sharded) module's forward, where the LM-head weight is whole."""
+    """The loss head run inside the (sharded) module's forward, where the LM-head weight is whole.
+    cfg.algo.loss is the kernel's PolicyLossConfig (temperature resolved by config.validate)."""
     from fastrehearse.kernels import linear_policy_loss
-    pcfg = _policy_loss_config(cfg)
+    pcfg = cfg.algo.loss
 
     def head(hidden, weight):
         kw = {"ref_logp": b.ref_logp}
@@ -425,7 +618,7 @@ def _fill_old_and_ref_logp(run: Run, batches) -> None:
 def compute_logprobs(module: nn.Module, batches, cfg: TrainConfig) -> list[torch.Tensor]:
     """[T] log-prob of every loss-bearing target under `module` (0 elsewhere), no grad."""
     from fastrehearse.kernels import linear_logprobs
-    temp = cfg.algo.loss.temperature or (cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0)
+    temp = cfg.algo.loss.temperature   # == rollout.temperature (1.0 when greedy); config.validate
     module.eval()
     out = []
     for b in batches:
@@ -555,11 +748,8 @@ def rollout(run: Run, tasks, *, mode: str, temperature: float, seed: int, group_
     tasks that still fail are counted (not fatal)."""
     if not tasks:
         return [], {}, 0
-    from fastrehearse.rollout.engine import RolloutConfig as EngineConfig, RolloutEngine
-    rc = run.cfg.rollout
-    ecfg = EngineConfig(mode=mode, hybrid_p=rc.hybrid_p, measure_fidelity=measure_fidelity,
-                        temperature=temperature, top_p=rc.top_p, max_new_tokens=rc.max_new_tokens,
-                        max_turns=rc.max_turns, max_episode_tokens=rc.max_episode_tokens, **rc.options)
+    from fastrehearse.rollout.engine import RolloutEngine
+    ecfg = run.cfg.rollout.engine(mode=mode, measure_fidelity=measure_fidelity, temperature=temperature)
     engine = RolloutEngine(run.gen_model, run.tokenizer, ecfg)
     run.gen_model.eval()
     try:
@@ -625,7 +815,7 @@ def sync_generation_weights(run: Run) -> None:
 def save_checkpoint(run: Run, ckpt: Checkpointer) -> None:
     run.state.scheduler = run.scheduler.state_dict()
     state = {k: getattr(run.state, k) for k in TrainState.__dataclass_fields__}
-    path = ckpt.save(run.state.step, run.policy, run.optimizer, state)
+    path = ckpt.save(run.state.step, run.policy, run.optimizer, state, config_text=run.config_text)
     run.logger.write(f"checkpoint: {path}")
 
 
