@@ -70,7 +70,7 @@ JOBS = {
     "tau2-r0":               ("tau2", None, 0, None, "tau2", False, False),
     "bfcl-multi-r2":         ("bfcl", MULTI, 2, None, "bfcl_multi", False, False),
     "tau2-r2":               ("tau2", None, 2, None, "tau2", False, False),
-    # test-time rehearsal with --rehearsal-commit select (no note in context; best of greedy + drafts)
+    # test-time rehearsal with --rehearsal-commit select (no memory in context; best of greedy + drafts)
     "builtin-easy-s2":       ("builtin", EASY, 2, None, "easy", False, False, "select"),
     "builtin-easy-s4":       ("builtin", EASY, 4, None, "easy", False, False, "select"),
     "builtin-easy-answer-s2": ("builtin", EASY_ANSWER, 2, None, "easy", False, True, "select"),
@@ -121,8 +121,9 @@ def parse_models(text: str | None) -> list[tuple[str, str]]:
 
 
 def job_commit(job: tuple) -> str:
-    """How a job's test-time rehearsal commits (the optional 8th field; default: note)."""
-    return job[7] if len(job) > 7 else "note"
+    """How a job's test-time rehearsal commits (the optional 8th field; default: memory, the form
+    that replaced the pre-engine "note"; rows recorded before the engine say "note")."""
+    return job[7] if len(job) > 7 else "memory"
 
 
 def eval_args(a, spec: str, job: tuple, out: Path, time_left: float | None):
@@ -130,8 +131,8 @@ def eval_args(a, spec: str, job: tuple, out: Path, time_left: float | None):
     limit = getattr(a, f"limit_{limit_key}")
     steps = {"builtin": a.steps_builtin, "bfcl": a.steps_bfcl, "tau2": a.steps_tau2}[suite]
     argv = ["--suite", suite, "--policy", spec, "--limit", str(limit), "--max-steps", str(steps),
-            "--max-new-tokens", str(a.max_new_tokens_bfcl if suite == "bfcl" else a.max_new_tokens), "--max-response-tokens", str(a.max_response_tokens),
-            "--batch-size", str(a.batch_size), "--prefill-batch-cells", str(a.prefill_batch_cells),
+            "--max-new-tokens", str(a.max_new_tokens_bfcl if suite == "bfcl" else a.max_new_tokens),
+            "--batch-size", str(a.batch_size),
             "--rehearsal-budget", str(n), "--rehearsal-mode", a.mode,
             "--rehearsal-commit", job_commit(job), "--out", str(out), "--quiet"]
     if cats:
@@ -140,8 +141,6 @@ def eval_args(a, spec: str, job: tuple, out: Path, time_left: float | None):
         argv += ["--drift", drift]
     if fidelity:
         argv += ["--measure-fidelity"]
-    if suite == "tau2" and a.tau2_prompt_tokens:
-        argv += ["--max-prompt-tokens", str(a.tau2_prompt_tokens)]
     if time_left is not None:
         argv += ["--time-limit-s", str(max(1.0, time_left))]
     return cli.build_parser().parse_args(argv)
@@ -203,8 +202,10 @@ def _merge_fid(cats: dict) -> dict:
 
 # ------------------------------------------------------------------ markdown
 def _n(r: dict) -> str:
-    """Rehearsal budget N as shown in tables: '2' (note in context) or '2 select'."""
-    return f"{r['rehearsal']}" + (" select" if r.get("commit", "note") == "select" else "")
+    """Rehearsal budget N as shown in tables: '2' (note in context, pre-engine rows), '2 memory' or
+    '2 select'."""
+    c = r.get("commit", "note")
+    return f"{r['rehearsal']}" + (f" {c}" if c != "note" and r["rehearsal"] else "")
 
 
 def _pct(x):
@@ -302,7 +303,7 @@ def plot(rows: list[dict], tags: list[str], path: Path) -> None:
                     if len({r["rehearsal"] for r in rows if r["suite"] == s}) >= 3]
     for s in sweep_suites:
         for k, t in enumerate(tags):
-            for commit, style in (("note", "-"), ("select", "--")):
+            for commit, style in (("note", "-"), ("memory", "-."), ("select", "--")):
                 # N = 0 (no rehearsal) starts both series
                 rs = sorted((r for r in rows if r["suite"] == s and r["model"] == t
                              and (r["rehearsal"] == 0 or r.get("commit", "note") == commit)),
@@ -356,16 +357,11 @@ def main() -> int:
     p.add_argument("--steps-bfcl", type=int, default=3, help="policy turns per BFCL user turn")
     p.add_argument("--steps-tau2", type=int, default=4)
     p.add_argument("--jobs", default=None, help=f"comma-separated job names, run in that order; known: {list(JOBS)}")
-    p.add_argument("--tau2-prompt-tokens", type=int, default=0,
-                   help="cap tau2's ~11k-token prompt (head + latest tokens kept); 0: the model's context")
     p.add_argument("--mode", default="parallel", choices=("parallel", "sequential"))
     p.add_argument("--max-new-tokens", type=int, default=64, help="per assistant turn (builtin, tau2)")
     p.add_argument("--max-new-tokens-bfcl", type=int, default=128,
                    help="per assistant turn on BFCL (gold parallel calls are 60-120 tokens)")
-    p.add_argument("--max-response-tokens", type=int, default=48)
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--prefill-batch-cells", type=int, default=1,
-                   help="1: every prompt decoded alone with KV prefix reuse (fastest on CPU here)")
     p.add_argument("--budget-s", type=float, default=0, help="stop starting runs after this (0: no limit)")
     p.add_argument("--runs", default="benchmarks/results/eval_runs")
     p.add_argument("--json", default="benchmarks/results/eval_smollm2.json")

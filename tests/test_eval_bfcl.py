@@ -9,8 +9,10 @@ pytest.importorskip("bfcl_eval")
 from fastrehearse.envs import get_suite  # noqa: E402
 from fastrehearse.eval import aggregate, cli  # noqa: E402
 from fastrehearse.eval.harness import HarnessConfig, run_items  # noqa: E402
-from fastrehearse.eval.policies import GoldPolicy  # noqa: E402
 from fastrehearse.eval.results import ResultStore  # noqa: E402
+from fastrehearse.eval.runner import EvalSettings, eval_engine  # noqa: E402
+from fastrehearse.rollout.policy import GoldPolicy, ScriptedPolicy  # noqa: E402
+from fastrehearse.rollout.template import assistant_text  # noqa: E402
 from fastrehearse.eval import bfcl_single  # noqa: E402
 from fastrehearse.eval.bfcl_suite import BfclSingleTurnSuite  # noqa: E402
 from fastrehearse.eval.suites import BFCL_MULTI, BFCL_SINGLE  # noqa: E402
@@ -26,6 +28,21 @@ def _res(out):
     return json.loads((out / "results.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def tok():
+    from fastrehearse.model import load_tokenizer
+    return load_tokenizer("smollm2")
+
+
+def _engine(tok, max_turns=20):
+    """Forced turns only: no model runs (max_episode_tokens unbounded, like --policy gold)."""
+    return eval_engine(None, tok, EvalSettings(max_turns=max_turns))
+
+
+def _gold(r):
+    return [m for m in r.task.gold if m["role"] == "assistant"]
+
+
 def test_multi_turn_gold_sample_scores_one(tmp_path):
     out = tmp_path / "gold"
     assert cli.main(["--suite", "bfcl", "--categories", *BFCL_MULTI, "--policy", "gold", "--limit", "3",
@@ -38,52 +55,58 @@ def test_multi_turn_gold_sample_scores_one(tmp_path):
     assert res["bfcl_overall_strict"] == pytest.approx(0.3)   # multi-turn weight 30 of 100
 
 
-class DropLastCall(GoldPolicy):
+def _drop_last_call(r):
     """Gold minus its last tool call: a plausible, almost-right trajectory."""
-
-    def act(self, states):
-        out = super().act(states)
-        for st, msg in zip(states, out):
-            gold = st.task.gold
-            last = max(i for i, m in enumerate(gold) if m.get("tool_calls"))
-            if st.scratch["gold_i"] - 1 == last:
-                msg.pop("tool_calls", None)
-                msg["content"] = "Done."
-        return out
+    gold = _gold(r)
+    last = max(i for i, m in enumerate(gold) if m.get("tool_calls"))
+    if r.turn >= len(gold):
+        return ""
+    return "Done." if r.turn == last else assistant_text(gold[r.turn])
 
 
-class SwapArgs(GoldPolicy):
+def _swap_args(r):
     """Gold with string arguments replaced: every call is wrong."""
+    gold = _gold(r)
+    if r.turn >= len(gold):
+        return ""
+    msg = json.loads(json.dumps(gold[r.turn]))
+    for tc in msg.get("tool_calls") or []:
+        tc["function"]["arguments"] = {k: ("zz_wrong" if isinstance(v, str) else v)
+                                       for k, v in tc["function"]["arguments"].items()}
+    return assistant_text(msg)
 
-    def act(self, states):
-        out = super().act(states)
-        for msg in out:
-            for tc in msg.get("tool_calls") or []:
-                tc["function"]["arguments"] = {k: ("zz_wrong" if isinstance(v, str) else v)
-                                               for k, v in tc["function"]["arguments"].items()}
-        return out
 
-
-@pytest.mark.parametrize("policy", [DropLastCall(), SwapArgs()])
-def test_multi_turn_wrong_outputs_score_zero(tmp_path, policy):
+@pytest.mark.parametrize("script", [_drop_last_call, _swap_args])
+def test_multi_turn_wrong_outputs_score_zero(tmp_path, tok, script):
     suite = get_suite("bfcl")
     tasks = suite.tasks("multi_turn_base", 4)
-    if isinstance(policy, SwapArgs):   # entries where every call has a string argument to break
+    if script is _swap_args:   # entries where every call has a string argument to break
         tasks = [t for t in tasks if all(any(isinstance(v, str) for v in tc["function"]["arguments"].values())
                                          for m in t.gold for tc in m.get("tool_calls") or [])] or tasks[:1]
-    done = run_items([("multi_turn_base", t) for t in tasks], lambda c: suite.make_env(), policy,
-                     ResultStore(tmp_path, {}), HarnessConfig(batch_size=4))
-    assert [r.score for r in done] == [0.0] * len(tasks)
+    done = run_items([("multi_turn_base", t) for t in tasks], lambda c: suite.make_env(), _engine(tok),
+                     ScriptedPolicy(script), ResultStore(tmp_path, {}), HarnessConfig(batch_size=4))
+    assert [r.score for r in done] == [0.0] * len(tasks) and all(r.error is None for r in done)
+
+
+def test_multi_turn_episode_holds_every_user_turn(tmp_path, tok):
+    """Gold through the engine: every scripted user turn of the entry is in the trajectory, in order."""
+    suite = get_suite("bfcl")
+    [task] = suite.tasks("multi_turn_miss_func", 1)
+    [r] = run_items([("multi_turn_miss_func", task)], lambda c: suite.make_env(), _engine(tok), GoldPolicy(),
+                    ResultStore(tmp_path, {}), HarnessConfig(batch_size=1))
+    users = [m["content"] for m in r.extra["transcript"] if m["role"] == "user"]
+    assert r.score == 1.0 and len(users) == len(task.payload["user_turns"]) >= 2
+    assert [u[:100] for u in users] == [m["content"][:100] for m in task.payload["user_turns"]]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("category", BFCL_MULTI)
-def test_multi_turn_gold_full_category(tmp_path, category, request):
+def test_multi_turn_gold_full_category(tmp_path, tok, category, request):
     _only_slow(request)
     suite = get_suite("bfcl")
     tasks = suite.tasks(category)
-    done = run_items([(category, t) for t in tasks], lambda c: suite.make_env(), GoldPolicy(),
-                     ResultStore(tmp_path, {}), HarnessConfig(batch_size=16, max_steps=10**6))
+    done = run_items([(category, t) for t in tasks], lambda c: suite.make_env(), _engine(tok, 10**6),
+                     GoldPolicy(), ResultStore(tmp_path, {}), HarnessConfig(batch_size=16))
     assert len(done) == 200 and [r.id for r in done if r.score != 1.0] == []
 
 
@@ -93,7 +116,7 @@ def test_tiny_model_bfcl_five_items(tmp_path):
     cats = ["simple_python", "irrelevance", "parallel", "live_simple", "multi_turn_base"]
     assert cli.main(["--suite", "bfcl", "--categories", *cats, "--policy", "tiny-llama",
                      "--limit", "1", "--max-steps", "1", "--max-new-tokens", "8", "--batch-size", "5",
-                     "--max-prompt-tokens", "1024", "--out", str(out), "--quiet"]) == 0
+                     "--out", str(out), "--quiet"]) == 0
     res = _res(out)
     assert list(res["categories"]) == cats
     assert sum(c["n"] for c in res["categories"].values()) == 5
@@ -106,10 +129,10 @@ def _single_sample(category, n):
     return [t for t in tasks if not bfcl_single.answer_problems(t.payload["entry"])]
 
 
-def _run_single(tmp_path, policy, category, tasks):
+def _run_single(tmp_path, tok, policy, category, tasks):
     suite = BfclSingleTurnSuite()
-    return run_items([(category, t) for t in tasks], lambda c: suite.make_env(), policy,
-                     ResultStore(tmp_path / category, {}), HarnessConfig(batch_size=8, max_steps=1))
+    return run_items([(category, t) for t in tasks], lambda c: suite.make_env(), _engine(tok, 1), policy,
+                     ResultStore(tmp_path / category, {}), HarnessConfig(batch_size=8))
 
 
 def test_single_turn_gold_sample_scores_one(tmp_path):
@@ -122,46 +145,36 @@ def test_single_turn_gold_sample_scores_one(tmp_path):
         assert (c["n"], c["accuracy"], c["mean_real_calls"]) == (6, 1.0, 0.0), name
 
 
-class WrongValues(GoldPolicy):
-    """Gold calls with every argument value replaced by one of another type, or the calls dropped
-    (irrelevance categories: a call is made, which is wrong there)."""
-
-    def act(self, states):
-        out = super().act(states)
-        for st, msg in zip(states, out):
-            if "irrelevance" in st.category:
-                fn = st.tools[0]["function"]["name"]
-                msg["tool_calls"] = [{"type": "function", "function": {"name": fn, "arguments": {}}}]
-            else:
-                for tc in msg["tool_calls"]:
-                    args = tc["function"]["arguments"]
-                    tc["function"]["arguments"] = {k: [["wrong"]] for k in args} or {"zz_unknown": 1}
-        return out
-
-
-class MalformedText:
-    name = "malformed"
-
-    def act(self, states):
-        return [{"role": "assistant", "content": "", "raw_text": "<tool_call>{not json</tool_call>"}
-                for _ in states]
+def _wrong_values(r):
+    """Gold calls with every argument value replaced by one of another type, or a call made where
+    none belongs (irrelevance categories)."""
+    if "irrelevance" in r.task.split:
+        return assistant_text({"role": "assistant", "content": "", "tool_calls": [
+            {"function": {"name": r.tools[0]["function"]["name"], "arguments": {}}}]})
+    msg = json.loads(json.dumps(_gold(r)[0]))
+    for tc in msg["tool_calls"]:
+        args = tc["function"]["arguments"]
+        tc["function"]["arguments"] = {k: [["wrong"]] for k in args} or {"zz_unknown": 1}
+    return assistant_text(msg)
 
 
 @pytest.mark.parametrize("category", BFCL_SINGLE)
-def test_single_turn_wrong_outputs_score_zero(tmp_path, category):
+def test_single_turn_wrong_outputs_score_zero(tmp_path, tok, category):
     tasks = _single_sample(category, 4)
-    assert [r.score for r in _run_single(tmp_path / "w", WrongValues(), category, tasks)] == [0.0] * len(tasks)
+    wrong = _run_single(tmp_path / "w", tok, ScriptedPolicy(_wrong_values), category, tasks)
+    assert [r.score for r in wrong] == [0.0] * len(tasks)
     # a call block BFCL cannot decode: fails AST entries, passes irrelevance ("no call"), as in BFCL
     want = 1.0 if "irrelevance" in category else 0.0
-    assert [r.score for r in _run_single(tmp_path / "m", MalformedText(), category, tasks)] == [want] * len(tasks)
+    bad = _run_single(tmp_path / "m", tok, ScriptedPolicy(lambda r: "<tool_call>{not json</tool_call>"), category, tasks)
+    assert [r.score for r in bad] == [want] * len(tasks)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("category", BFCL_SINGLE)
-def test_single_turn_gold_full_category(tmp_path, category, request):
+def test_single_turn_gold_full_category(tmp_path, tok, category, request):
     _only_slow(request)
     tasks = _single_sample(category, None)
-    done = _run_single(tmp_path, GoldPolicy(), category, tasks)
+    done = _run_single(tmp_path, tok, GoldPolicy(), category, tasks)
     assert len(done) == len(tasks) and [r.id for r in done if r.score != 1.0] == []
 
 

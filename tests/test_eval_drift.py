@@ -7,8 +7,20 @@ from fastrehearse.envs.base import ResetResult, Task, ToolCall, ToolEnv, ToolRes
 from fastrehearse.envs.builtin import BuiltinSuite
 from fastrehearse.eval.drift import DriftEnv, DriftSpec, rename_key
 from fastrehearse.eval.harness import HarnessConfig, run_items
-from fastrehearse.eval.policies import GoldPolicy
 from fastrehearse.eval.results import ResultStore, per_category
+from fastrehearse.eval.runner import EvalSettings, eval_engine
+from fastrehearse.kernels.roles import Role
+from fastrehearse.model import load_tokenizer
+from fastrehearse.rollout.policy import GoldPolicy, ScriptedPolicy
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("smollm2")
+
+
+def _engine(tok, model=None, **kw):
+    return eval_engine(model, tok, EvalSettings(max_turns=12, max_episode_tokens=1 << 20), **kw)
 
 
 class Canned(ToolEnv):
@@ -110,7 +122,7 @@ def test_removed_tool():
     assert e1.removed == e2.removed and e1.removed in RESP
 
 
-def test_drift_on_builtin_keeps_state_and_scoring(tmp_path):
+def test_drift_on_builtin_keeps_state_and_scoring(tmp_path, tok):
     """Gold replay under response drift still scores 1.0 (the real env state and checker are
     untouched) while the agent saw different responses; removing a needed tool breaks the task."""
     suite = BuiltinSuite()
@@ -122,8 +134,8 @@ def test_drift_on_builtin_keeps_state_and_scoring(tmp_path):
         envs.append(DriftEnv(suite.make_env(), spec))
         return envs[-1]
 
-    done = run_items([("test", t) for t in tasks], make, GoldPolicy(), ResultStore(tmp_path / "a", {}),
-                     HarnessConfig(batch_size=4))
+    done = run_items([("test", t) for t in tasks], make, _engine(tok), GoldPolicy(),
+                     ResultStore(tmp_path / "a", {}), HarnessConfig(batch_size=4))
     assert [r.score for r in done] == [1.0] * 8
     assert sum(e.stats["changed"] for e in envs) > 0
     assert sum(e.stats["changed"] for e in envs) == sum(e.stats["responses"] for e in envs)
@@ -140,39 +152,53 @@ def test_drift_on_builtin_keeps_state_and_scoring(tmp_path):
     uses = [t for t in tasks if any(tc["function"]["name"] == "get_balance"
                                     for m in t.gold for tc in m.get("tool_calls") or [])]
     assert uses
-    done = run_items([("test", t) for t in uses], make_removed, GoldPolicy(),
+    done = run_items([("test", t) for t in uses], make_removed, _engine(tok), GoldPolicy(),
                      ResultStore(tmp_path / "b", {}), HarnessConfig(batch_size=4))
-    assert all(r.score == 0.0 for r in done)
+    assert all(r.score == 0.0 and r.error is None for r in done)
+    assert all(r.malformed >= 1 for r in done)        # the driver refused the unknown tool
     assert all(r.extra["drift"]["removed_tool_calls"] >= 1 for r in done)
     assert per_category(done)["test"]["drift"]["items_calling_removed_tool"] == len(uses)
 
 
-def test_fidelity_under_drift(tmp_path):
-    """World-model fidelity ("both" mode): a model whose rehearsed response is the *pre-drift* real
-    response matches exactly without drift, loses the renamed fields under drift."""
-    from fastrehearse.eval.policies import GenConfig, ModelPolicy
+class ForceResponse:
+    """Logits processor: every rehearsed response is exactly `text` (+ the tool-turn end marker),
+    a world model that memorized the pre-drift real response."""
+
+    def __init__(self, tok, text, marker):
+        self.target = tok.encode(text + marker, add_special_tokens=False)
+
+    def __call__(self, contexts, context_roles, sample_roles, logits):
+        logits = logits.clone()
+        for i, (roles, role) in enumerate(zip(context_roles, sample_roles)):
+            if role != Role.REHEARSE:
+                continue
+            k = 0
+            while k < len(roles) and roles[-1 - k] == int(Role.REHEARSE):
+                k += 1
+            logits[i] = float("-inf")
+            logits[i, self.target[min(k, len(self.target) - 1)]] = 0.0
+        return logits
+
+
+def test_fidelity_under_drift(tmp_path, tok):
+    """World-model fidelity (the rehearse-mode pass, training's definition): a model whose rehearsed
+    response is the *pre-drift* real response matches exactly without drift and loses the renamed
+    fields under drift."""
     from fastrehearse.model import load_model
+    from fastrehearse.rollout.engine import RolloutConfig, RolloutEngine
 
     model, tok = load_model("tiny-llama")
-
-    class Memorized(ModelPolicy):
-        def generate(self, prompts, max_new_tokens, temperature, markers=None, keys=None):
-            out = []
-            for p in prompts:
-                text = self.tok.decode(p)
-                if text.endswith("<tool_response>\n"):
-                    out.append((9, RESP["get_balance"].content))
-                elif text.count("</tool_response>") == 0:
-                    out.append((7, '<tool_call>\n{"name": "get_balance", "arguments": {}}\n</tool_call>'))
-                else:
-                    out.append((2, "Done."))
-            return out
+    call = '<tool_call>\n{"name": "get_balance", "arguments": {}}\n</tool_call>'
+    policy = ScriptedPolicy(lambda r: call if r.turn == 0 else "Done.")
 
     def run(spec, sub):
-        policy = Memorized(model, tok, "mem", GenConfig())
+        engine = RolloutEngine(model, tok, RolloutConfig(mode="rehearse", measure_fidelity=True, temperature=0.0,
+                                                         max_new_tokens=64, max_turns=4, malformed_reward=None))
+        engine.logits_processor = ForceResponse(tok, RESP["get_balance"].content, engine.template.tool_end_markers[0])
         make = (lambda c: Canned(RESP)) if spec is None else (lambda c: DriftEnv(Canned(RESP), DriftSpec.parse(spec)))
-        done = run_items([("c", TASK)], make, policy, ResultStore(tmp_path / sub, {}),
-                         HarnessConfig(batch_size=1, measure_fidelity=True))
+        done = run_items([("c", TASK)], make, engine, policy, ResultStore(tmp_path / sub, {}),
+                         HarnessConfig(batch_size=1))
+        assert done[0].error is None, done[0].error
         return done[0].fidelity
 
     assert run(None, "a") == {"exact": 1.0, "field_f1": 1.0, "calls": 1.0}

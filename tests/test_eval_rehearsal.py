@@ -1,50 +1,34 @@
-"""Test-time rehearsal: private rehearsals run through the model's world model and never reach the
-real environment (counted); the committed turn sees the rehearsal note."""
-import json
-import re
-
+"""Test-time rehearsal on the rollout engine: private rehearsals never reach the real environment
+(env.execute counted), the memory form puts exactly one rehearsal memory in context per committed
+turn, select commits a draft only when the world model foresees the greedy turn failing, and the
+token cost of rehearsal is counted apart from the committed turns."""
 import pytest
 
 from fastrehearse.envs.builtin import BuiltinSuite
 from fastrehearse.eval.harness import HarnessConfig, run_items
-from fastrehearse.eval.policies import GenConfig, ModelPolicy
-from fastrehearse.eval.rehearsal import NOTE_HEAD, RehearsalPolicy
+from fastrehearse.eval.rehearsal import (MEMORY_HEAD, RehearsalPolicy, judge, looks_like_error)
 from fastrehearse.eval.results import ResultStore
-from fastrehearse.model import load_model
+from fastrehearse.eval.runner import EvalSettings, eval_engine
+from fastrehearse.kernels.roles import Role
+from fastrehearse.rollout.policy import ModelPolicy, ScriptedPolicy
+from fastrehearse.rollout.template import assistant_text, format_tool_call
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_model("tiny-llama")
+    """A tiny random Llama with a wide init, so its greedy text is words, not one repeated newline
+    (its assessments are then non-empty text)."""
+    from fastrehearse.model import build_tiny_model, load_tokenizer
+    from fastrehearse.model.loader import _sync_special_tokens
 
-
-class Scripted(ModelPolicy):
-    """A real ModelPolicy (real template, parser, token accounting) whose decoder is scripted:
-    assistant prompts get a call to the episode's first tool until two tool responses are in
-    context, then a final answer; tool prompts get a JSON response. Records every prompt."""
-
-    def __init__(self, model, tok):
-        super().__init__(model, tok, "scripted", GenConfig(max_new_tokens=8, max_response_tokens=8))
-        self.prompts = []
-
-    def generate(self, prompts, max_new_tokens, temperature, markers=None, keys=None):
-        out = []
-        for p in prompts:
-            text = self.tok.decode(p)
-            self.prompts.append(text)
-            if text.endswith("<tool_response>\n"):
-                out.append((5, json.dumps({"balance": 12.5, "note": "rehearsed"})))
-                continue
-            tool = re.search(r'"name": "([a-z_]+)"', text).group(1)
-            n_resp = text.count("</tool_response>")
-            if n_resp < 2:
-                out.append((7, f'<tool_call>\n{{"name": "{tool}", "arguments": {{}}}}\n</tool_call>'))
-            else:
-                out.append((3, "All done."))
-        return out
+    tok = load_tokenizer("smollm2")
+    model = build_tiny_model("llama", vocab_size=len(tok), seed=0, initializer_range=0.2)
+    _sync_special_tokens(model, tok)
+    return model, tok
 
 
 class CountingSuite(BuiltinSuite):
+    """Builtin tasks whose environments count every env.execute call."""
     executed = 0
 
     def make_env(self):
@@ -59,155 +43,133 @@ class CountingSuite(BuiltinSuite):
         return env
 
 
+def _gold_call(r):
+    """The task's first gold call turn (a valid call of a visible tool)."""
+    return assistant_text(next(m for m in r.task.gold if m.get("tool_calls")))
+
+
+def _call_then_answer(r):
+    return _gold_call(r) if r.turn == 0 else "All done."
+
+
+def _run(tiny, policy, out, n=3, suite=None, max_new_tokens=8):
+    suite = suite or CountingSuite()
+    model, tok = tiny
+    engine = eval_engine(model, tok, EvalSettings(max_turns=4, max_new_tokens=max_new_tokens))
+    tasks = suite.tasks("test", n)
+    return run_items([("test", t) for t in tasks], lambda c: suite.make_env(), engine, policy,
+                     ResultStore(out, {}), HarnessConfig(batch_size=3)), engine
+
+
+def _policy(tiny, budget, **kw):
+    model, tok = tiny
+    kw.setdefault("max_new_tokens", 8)
+    kw.setdefault("assess_tokens", 6)
+    return RehearsalPolicy(model, tok, budget, **kw)
+
+
+@pytest.mark.parametrize("form", ["memory", "select"])
 @pytest.mark.parametrize("mode", ["parallel", "sequential"])
-def test_rehearsal_never_executes_private_calls(tmp_path, tiny, mode):
-    model, tok = tiny
-    base = Scripted(model, tok)
-    policy = RehearsalPolicy(base, budget=2, mode=mode, horizon=2)
-    suite = CountingSuite()
+def test_private_rehearsals_never_execute(tmp_path, tiny, mode, form):
+    """Drafts call a tool in every rehearsal, yet env.execute runs exactly the committed calls."""
     CountingSuite.executed = 0
-    tasks = suite.tasks("test", 3)
-    store = ResultStore(tmp_path, {"mode": mode})
-    done = run_items([("test", t) for t in tasks], lambda c: suite.make_env(), policy, store,
-                     HarnessConfig(batch_size=3, max_steps=5))
-    assert len(done) == 3
-    committed = sum(r.real_calls for r in done)
-    # Each episode commits exactly two real calls (then answers); rehearsals made many more calls.
-    assert committed == 6
-    assert CountingSuite.executed == committed
-    rehearsed_calls = sum(p.endswith("<tool_response>\n") for p in base.prompts)
-    assert rehearsed_calls > committed
-    assert all(r.rehearsal_tokens > 0 and r.gen_tokens > 0 for r in done)
-    # committed turns saw the note; sequential drafts saw the earlier drafts
-    notes = [p for p in base.prompts if NOTE_HEAD in p]
-    assert notes
-    if mode == "sequential":
-        assert any("Draft the next step again" in p for p in base.prompts)
+    p = _policy(tiny, 2, form=form, mode=mode, base=ScriptedPolicy(_call_then_answer),
+                draft=ScriptedPolicy(_gold_call))
+    done, _ = _run(tiny, p, tmp_path)
+    assert all(r.error is None for r in done), [r.error for r in done]
+    committed = sum(len(next(m for m in t.gold if m.get("tool_calls"))["tool_calls"])
+                    for t in CountingSuite().tasks("test", 3))
+    assert CountingSuite.executed == sum(r.real_calls for r in done) == committed
+    assert all(r.rehearsal_tokens > 0 for r in done)        # the model wrote the predicted responses
 
 
-def test_rehearsal_budget_zero_is_the_base_policy(tmp_path, tiny):
+def test_memory_form_one_memory_per_committed_turn(tiny):
+    """The engine episode holds exactly one rehearsal memory per committed turn, as CONTEXT at the
+    start of that turn, each built from N drafts with the model's own assessment."""
     model, tok = tiny
-    base = Scripted(model, tok)
-    policy = RehearsalPolicy(base, budget=0)
     suite = BuiltinSuite()
-    store = ResultStore(tmp_path, {})
-    done = run_items([("test", t) for t in suite.tasks("test", 2)], lambda c: suite.make_env(), policy,
-                     store, HarnessConfig(batch_size=2, max_steps=5))
-    assert all(r.rehearsal_tokens == 0 for r in done)
-    assert not any(NOTE_HEAD in p for p in base.prompts)
+    tasks = suite.tasks("test", 2)
+    engine = eval_engine(model, tok, EvalSettings(max_turns=4, max_new_tokens=8))
+    p = _policy(tiny, 2, form="memory", base=ScriptedPolicy(_call_then_answer),
+                draft=ScriptedPolicy(_gold_call))
+    envs = [suite.make_env() for _ in tasks]
+    res = engine.generate([engine.prompt_for(t, e, i) for i, (t, e) in enumerate(zip(tasks, envs))], policy=p)
+    for ep, traj in zip(res.episodes, res.trajectories):
+        turns = ep.metadata["turns"]
+        assert turns == 2
+        text = tok.decode(ep.input_ids)
+        assert text.count(MEMORY_HEAD) == turns
+        agent = [m for m in traj.messages if m["role"] == "assistant"]
+        assert len(agent) == turns and all(m["context"].startswith(MEMORY_HEAD) for m in agent)
+        for m in agent:
+            assert m["context"].count("Rehearsal 1:") == 1 and m["context"].count("Rehearsal 2:") == 1
+            assert m["context"].count("my assessment:") == 2 and "predicted:" in m["context"]
+        # the memory tokens are CONTEXT: find each memory's first token and check its role
+        head = tok.encode(MEMORY_HEAD, add_special_tokens=False)
+        starts = [i for i in range(len(ep.input_ids)) if ep.input_ids[i:i + len(head)] == head]
+        assert len(starts) == turns and all(ep.roles[i] == int(Role.CONTEXT) for i in starts)
+        info = ep.metadata["policy"]
+        assert [i["turn"] for i in info] == [0, 1] and all(i["rehearsal_tokens"] > 0 for i in info)
 
 
-def test_rehearsal_end_to_end_tiny_model(tmp_path, tiny):
-    """Unscripted: the random tiny model itself drafts, rehearses, commits (budget 2)."""
+def test_rehearsal_tokens_counted_apart(tmp_path, tiny):
+    """rehearsal_tokens per item = the private tokens the policy reported; gen_tokens = the sampled
+    tokens of the committed turns only (here the model samples them after reading the memory)."""
     model, tok = tiny
-    base = ModelPolicy(model, tok, "tiny", GenConfig(max_new_tokens=10, max_response_tokens=6))
-    suite = CountingSuite()
+    p = _policy(tiny, 2, form="memory")
+    done, _ = _run(tiny, p, tmp_path / "r", n=2)
+    base, _ = _run(tiny, ModelPolicy(), tmp_path / "b", n=2)
+    for r, b in zip(done, base):
+        assert r.error is None and r.rehearsal_tokens > 0 and b.rehearsal_tokens == 0
+        assert 0 < r.gen_tokens <= 8 * r.steps           # committed: max_new_tokens per turn at most
+    # budget 0 is exactly the base policy
+    zero, _ = _run(tiny, _policy(tiny, 0), tmp_path / "z", n=2)
+    assert [(r.score, r.steps, r.gen_tokens, r.rehearsal_tokens) for r in zero] == \
+        [(b.score, b.steps, b.gen_tokens, b.rehearsal_tokens) for b in base]
+    assert [r.extra["transcript"] for r in zero] == [b.extra["transcript"] for b in base]
+
+
+@pytest.mark.parametrize("greedy,draft,expect_draft", [
+    ("unknown", "valid", True),      # greedy calls a tool that does not exist: a draft wins
+    ("valid", "unknown", False),     # drafts are worse: greedy kept
+    ("valid", "valid", False),       # a tie: greedy kept
+])
+def test_select_commits_the_candidate_the_world_model_favours(tmp_path, tiny, greedy, draft, expect_draft):
+    def script(kind):
+        return lambda r: ((_gold_call(r) if kind == "valid" else format_tool_call("no_such_tool", {}))
+                          if r.turn == 0 else "All done.")
+
     CountingSuite.executed = 0
-    store = ResultStore(tmp_path, {})
-    done = run_items([("test", t) for t in suite.tasks("test", 2)], lambda c: suite.make_env(),
-                     RehearsalPolicy(base, 2, "parallel"), store, HarnessConfig(batch_size=2, max_steps=2))
-    assert len(done) == 2 and all(r.error is None for r in done)
+    p = _policy(tiny, 2, form="select", base=ScriptedPolicy(script(greedy)), draft=ScriptedPolicy(script(draft)))
+    done, _ = _run(tiny, p, tmp_path, n=2)
+    for r in done:
+        sel = r.extra["rehearsal_select"]
+        assert sel["from_draft"] == (1 if expect_draft else 0)
+        # what was committed reached the env only when it was a known tool
+        assert r.real_calls == (1 if (expect_draft or greedy == "valid") else 0)
+        assert r.malformed == (0 if (expect_draft or greedy == "valid") else 1)
+    assert p.selected_drafts == (2 if expect_draft else 0)
     assert CountingSuite.executed == sum(r.real_calls for r in done)
-    assert all(r.rehearsal_tokens >= 2 * 1 for r in done)
+
+
+def test_judge_and_error_detection():
+    tools = {"get_balance"}
+    ok = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_balance", "arguments": {}}}]}
+    unknown = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "nope", "arguments": {}}}]}
+    assert judge(ok, ['{"balance": 1}'], tools) == 0
+    assert judge(ok, ['{"error": "not found"}'], tools) == -1
+    assert judge(ok, ["Error: no such account"], tools) == -1
+    assert judge(unknown, ['{"x": 1}'], tools) == -2
+    assert judge(ok, ['{"balance": 1}'], tools, malformed=1) == -2
+    assert judge({"role": "assistant", "content": "the answer"}, [], tools) == 0
+    assert looks_like_error('{"error": {"code": "E_X"}}') and looks_like_error("error: bad id")
+    assert not looks_like_error("all good") and not looks_like_error('{"balance": 3}')
 
 
 def test_rehearsal_rejects_bad_settings(tiny):
     model, tok = tiny
-    base = ModelPolicy(model, tok, "tiny")
-    with pytest.raises(ValueError, match="budget"):
-        RehearsalPolicy(base, -1)
-    with pytest.raises(ValueError, match="mode"):
-        RehearsalPolicy(base, 1, "beam")
-
-
-class TwoFaced(ModelPolicy):
-    """Scripted decoder whose greedy turns (temperature 0) and sampled drafts (temperature > 0) differ:
-    `greedy` / `draft` give the call text for each ("{tool}" is the episode's first tool). Tool
-    prompts get `response`. Records (temperature, prompt text) of every assistant-turn decode."""
-
-    def __init__(self, model, tok, greedy, draft, response='{"ok": true}'):
-        super().__init__(model, tok, "two-faced", GenConfig(max_new_tokens=8, max_response_tokens=8))
-        self.greedy, self.draft, self.response = greedy, draft, response
-        self.turns = []
-
-    def generate(self, prompts, max_new_tokens, temperature, markers=None, keys=None):
-        out = []
-        for p in prompts:
-            text = self.tok.decode(p)
-            if text.endswith("<tool_response>\n"):
-                out.append((4, self.response))
-                continue
-            self.turns.append((temperature, text))
-            if "</tool_response>" in text:
-                out.append((2, "Done."))        # after one real response: answer
-                continue
-            tool = re.search(r'"name": "([a-z_]+)"', text).group(1)
-            out.append((6, (self.greedy if temperature == 0 else self.draft).replace("{tool}", tool)))
-        return out
-
-
-GOOD = '<tool_call>\n{"name": "{tool}", "arguments": {}}\n</tool_call>'
-
-
-@pytest.mark.parametrize("greedy,draft,expect_draft", [
-    ('<tool_call>\n{"name": "no_such_tool", "arguments": {}}\n</tool_call>', GOOD, True),   # unknown tool
-    ('<tool_call>\n{"name": "{tool}", "arguments": {\n</tool_call>', GOOD, True),          # malformed
-    (GOOD, '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>', False),         # greedy fine
-    (GOOD, GOOD, False),                                                                   # tie: greedy
-])
-def test_rehearsal_select_commits_the_candidate_the_world_model_favours(tmp_path, tiny, greedy, draft,
-                                                                         expect_draft):
-    model, tok = tiny
-    base = TwoFaced(model, tok, greedy, draft)
-    policy = RehearsalPolicy(base, budget=2, commit="select")
-    suite = CountingSuite(level="easy", tools="task")
-    CountingSuite.executed = 0
-    tasks = suite.tasks("test", 2)
-    store = ResultStore(tmp_path, {})
-    done = run_items([("test", t) for t in tasks], lambda c: suite.make_env(), policy, store,
-                     HarnessConfig(batch_size=2, max_steps=3))
-    assert len(done) == 2 and all(r.error is None for r in done)
-    # one committed turn with a call per episode, then the answer: exactly one real call each
-    assert CountingSuite.executed == sum(r.real_calls for r in done)
-    assert policy.selected_drafts == (2 if expect_draft else 0)
-    # no note in context in select mode: every assistant-turn prompt is note-free
-    assert not any(NOTE_HEAD in t for _, t in base.turns)
-    # the committed turn was the greedy decode (temperature 0) and 2 drafts were sampled per turn
-    first_turns = [t for t in base.turns if "</tool_response>" not in t[1]]
-    assert sum(temp == 0 for temp, _ in first_turns) == 2 and sum(temp > 0 for temp, _ in first_turns) == 4
-    if expect_draft:   # the drafted good call went to the environment: the builtin tool answered
-        assert all(r.real_calls == 1 for r in done)
-
-
-def test_rehearsal_select_avoids_a_predicted_error(tmp_path, tiny):
-    """Greedy and drafts are all well-formed; the world model predicts an error for every call, so
-    all candidates tie at -1 and the greedy turn is kept (rehearsal never prefers a draft blindly)."""
-    model, tok = tiny
-    base = TwoFaced(model, tok, GOOD, GOOD, response='{"error": "order not found"}')
-    policy = RehearsalPolicy(base, budget=2, commit="select")
-    suite = BuiltinSuite(level="easy", tools="task")
-    store = ResultStore(tmp_path, {})
-    run_items([("test", t) for t in suite.tasks("test", 2)], lambda c: suite.make_env(),
-              policy, store, HarnessConfig(batch_size=2, max_steps=3))
-    assert policy.selected_drafts == 0
-
-
-def test_judge_and_error_detection():
-    from fastrehearse.eval.rehearsal import judge, looks_like_error
-    assert looks_like_error('{"error": "no such order"}') and looks_like_error("Error: bad arguments")
-    assert looks_like_error('{"error_message": "x"}') and looks_like_error("  error during execution")
-    assert not looks_like_error('{"status": "shipped"}') and not looks_like_error("The errors page")
-    assert not looks_like_error("[1, 2]") and not looks_like_error("")
-    call = {"type": "function", "function": {"name": "get_order", "arguments": {}}}
-    names = {"get_order"}
-    assert judge({"tool_calls": [call]}, ['{"status": "ok"}'], names) == 0
-    assert judge({"tool_calls": [call]}, ['{"error": "x"}'], names) == -1
-    assert judge({"tool_calls": [call, {"malformed": "bad json", "kind": "json"}]}, [], names) == -2
-    assert judge({"tool_calls": [{"function": {"name": "nope", "arguments": {}}}]}, ["{}"], names) == -2
-    assert judge({"content": "final answer"}, [], names) == 0
-
-
-def test_rehearsal_rejects_bad_commit(tiny):
-    model, tok = tiny
-    with pytest.raises(ValueError, match="commit"):
-        RehearsalPolicy(ModelPolicy(model, tok, "tiny"), 1, commit="vote")
+    for kw, msg in (({"budget": -1}, "budget"), ({"mode": "random"}, "mode"), ({"form": "note"}, "form"),
+                    ({"horizon": 0}, "horizon"), ({"temperature": -1.0}, "temperature")):
+        args = {"budget": 1, **kw}
+        with pytest.raises(ValueError, match=msg):
+            RehearsalPolicy(model, tok, args.pop("budget"), **args)

@@ -1,18 +1,36 @@
-"""tau2-bench telecom (solo mode) through the eval harness, graded by tau2's own evaluator."""
+"""tau2-bench through the eval harness on the rollout engine, graded by tau2's own evaluator:
+telecom (solo mode), the conversational mock domain with a scripted user simulator, and a user
+simulator that cannot be reached (an error, never a score; retried on rerun)."""
 import json
+import socket
 
 import pytest
 
 pytest.importorskip("tau2")
 
 from fastrehearse.eval import cli  # noqa: E402
+from fastrehearse.eval.harness import HarnessConfig, run_items  # noqa: E402
+from fastrehearse.eval.results import ResultStore  # noqa: E402
+from fastrehearse.eval.runner import EvalSettings, eval_engine  # noqa: E402
+from fastrehearse.rollout.policy import ScriptedPolicy  # noqa: E402
+from fastrehearse.rollout.template import assistant_text, format_tool_call  # noqa: E402
 
 
 def _res(out):
     return json.loads((out / "results.json").read_text())
 
 
-def test_tau2_gold_scores_one_and_no_calls_scores_zero(tmp_path):
+@pytest.fixture(scope="module")
+def engine():
+    from fastrehearse.model import load_tokenizer
+    return eval_engine(None, load_tokenizer("smollm2"), EvalSettings(max_turns=8, max_episode_tokens=1 << 20))
+
+
+def _gold(task):
+    return [m for m in task.gold if m["role"] == "assistant"]
+
+
+def test_tau2_gold_scores_one_and_wrong_trajectories_score_zero(tmp_path, engine):
     out = tmp_path / "gold"
     assert cli.main(["--suite", "tau2", "--policy", "gold", "--limit", "3", "--out", str(out), "--quiet"]) == 0
     res = _res(out)
@@ -20,33 +38,16 @@ def test_tau2_gold_scores_one_and_no_calls_scores_zero(tmp_path):
 
     # deliberately wrong: the gold calls of *another* task (valid calls, wrong fixes) score 0
     from fastrehearse.envs import get_suite
-    from fastrehearse.eval.harness import HarnessConfig, run_items
-    from fastrehearse.eval.policies import GoldPolicy
-    from fastrehearse.eval.results import ResultStore
 
     suite = get_suite("tau2")
     tasks = suite.tasks("telecom", 3)
-
-    class Shifted(GoldPolicy):
-        def act(self, states):
-            for st in states:
-                if "swapped" not in st.scratch:
-                    i = [t.id for t in tasks].index(st.task.id)
-                    st.scratch["swapped"] = tasks[(i + 1) % len(tasks)].gold
-                st.task = type(st.task)(st.task.id, st.task.split, st.task.payload, st.scratch["swapped"])
-            return super().act(states)
-
-    class Silent:
-        name = "silent"
-
-        def act(self, states):
-            return [{"role": "assistant", "content": "", "tool_calls": [
-                {"type": "function", "function": {"name": "done", "arguments": {}}}]} for _ in states]
-
-    for pol in (Shifted(), Silent()):
-        done = run_items([("telecom", t) for t in tasks], lambda c: suite.make_env(), pol,
-                         ResultStore(tmp_path / type(pol).__name__, {}), HarnessConfig(batch_size=3))
-        assert [r.score for r in done] == [0.0] * 3, pol.name
+    other = {t.id: _gold(tasks[(i + 1) % 3]) for i, t in enumerate(tasks)}
+    shifted = ScriptedPolicy(lambda r: assistant_text(other[r.task.id][r.turn]) if r.turn < len(other[r.task.id]) else "")
+    silent = ScriptedPolicy(lambda r: format_tool_call("done", {}))
+    for name, pol in (("shifted", shifted), ("silent", silent)):
+        done = run_items([("telecom", t) for t in tasks], lambda c: suite.make_env(), engine, pol,
+                         ResultStore(tmp_path / name, {}), HarnessConfig(batch_size=3))
+        assert [r.score for r in done] == [0.0] * 3, name
 
 
 def test_tau2_tiny_model_two_tasks(tmp_path):
@@ -59,36 +60,29 @@ def test_tau2_tiny_model_two_tasks(tmp_path):
     assert c["mean_gen_tokens"] > 0 and res["overall"] == c["accuracy"]
 
 
+ASK = "Anything else I can do for you?"
 
-def test_tau2_conversational_reply_reaches_user_simulator(tmp_path, monkeypatch):
-    """Conversational mode through the harness: each agent text reply goes to
-    `env.next_user_message(reply)` (also through a DriftEnv), the simulated user's answer is the next
-    user turn, the user's stop ends the episode and tau2 grades it. Solo mode has no simulator: a
-    text reply ends the episode."""
+
+def _talker(r):
+    """The gold turns, but one question of its own before the gold closing line."""
+    gold = _gold(r.task)
+    k = next(i for i, m in enumerate(gold) if not m.get("tool_calls"))
+    if r.turn == k:
+        return ASK
+    i = r.turn if r.turn < k else r.turn - 1
+    return assistant_text(gold[i]) if i < len(gold) else ""
+
+
+def test_tau2_conversational_reply_reaches_user_simulator(tmp_path, monkeypatch, engine):
+    """Each agent text reply goes to `env.next_user_message(reply)` (also through a DriftEnv), the
+    simulated user's answer is the next user turn (CONTEXT), the user's stop ends the episode and
+    tau2 grades it. Solo mode has no simulator: a text reply ends the episode."""
     from test_env_tau2_usersim import ScriptedUser
 
     from fastrehearse.envs.tau2 import Tau2Suite
     from fastrehearse.eval.drift import DriftEnv, DriftSpec
-    from fastrehearse.eval.harness import HarnessConfig, run_items
-    from fastrehearse.eval.policies import GoldPolicy
-    from fastrehearse.eval.results import ResultStore
 
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-    ASK = "Anything else I can do for you?"
-
-    class Talker(GoldPolicy):
-        """The gold calls, but one question of its own before the gold closing line."""
-        def act(self, states):
-            out = []
-            for st in states:
-                i = st.scratch.get("gold_i", 0)
-                msg = super().act([st])[0]
-                if not msg.get("tool_calls") and not st.scratch.get("asked"):
-                    st.scratch["asked"], st.scratch["gold_i"] = True, i   # closing line next turn
-                    msg = {"role": "assistant", "content": ASK}
-                out.append(msg)
-            return out
-
     for wrap in (False, True):
         sim = ScriptedUser(["Hi, I need help with my reservation.", "No, that is all.", "###STOP###"])
         try:
@@ -101,8 +95,8 @@ def test_tau2_conversational_reply_reaches_user_simulator(tmp_path, monkeypatch)
                 envs.append(env)
                 return DriftEnv(env, DriftSpec.parse("errors")) if wrap else env
 
-            [r] = run_items([("mock", task)], make_env, Talker(), ResultStore(tmp_path / f"conv{wrap}", {}),
-                            HarnessConfig(batch_size=1, max_steps=8))
+            [r] = run_items([("mock", task)], make_env, engine, ScriptedPolicy(_talker),
+                            ResultStore(tmp_path / f"conv{wrap}", {}), HarnessConfig(batch_size=1))
             sent = [body["messages"][-1]["content"] for _, body in sim.requests]
             assert len(sent) == 3, sent                       # greeting answer, then one per reply
             assert sent[1] == ASK and sent[2] == "Done."
@@ -113,14 +107,47 @@ def test_tau2_conversational_reply_reaches_user_simulator(tmp_path, monkeypatch)
         finally:
             sim.close()
 
-    class Chatty:
-        name = "chatty"
-
-        def act(self, states):
-            return [{"role": "assistant", "content": ASK} for _ in states]
-
+    from fastrehearse.envs.tau2 import Tau2Suite
     solo = Tau2Suite()                                          # mock is solo by default: no user
     task = solo.tasks("mock", limit=1)[0]
-    [r] = run_items([("mock", task)], lambda c: solo.make_env(), Chatty(), ResultStore(tmp_path / "solo", {}),
-                    HarnessConfig(batch_size=1, max_steps=8))
+    [r] = run_items([("mock", task)], lambda c: solo.make_env(), engine, ScriptedPolicy(lambda r: ASK),
+                    ResultStore(tmp_path / "solo", {}), HarnessConfig(batch_size=1))
     assert r.steps == 1 and r.score == 0.0 and r.error is None  # tau2 solo: text reply = agent error
+
+
+def _dead_url() -> str:
+    """A loopback port with nothing listening (bound, then released)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return f"http://127.0.0.1:{port}/v1"
+
+
+def test_unreachable_user_simulator_is_an_error_retried_on_rerun(tmp_path, monkeypatch, engine):
+    from test_env_tau2_usersim import ScriptedUser
+
+    from fastrehearse.envs.tau2 import Tau2Suite
+
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    dead = Tau2Suite(user_url=_dead_url(), user_model="openai/scripted-user", solo=False)
+    task = dead.tasks("mock", limit=1)[0]
+    store = ResultStore(tmp_path, {})
+    [r] = run_items([("mock", task)], lambda c: dead.make_env(), engine, ScriptedPolicy(_talker), store,
+                    HarnessConfig(batch_size=1))
+    assert r.score is None and r.error, r
+    assert not store.done("mock", task.id)
+    from fastrehearse.eval.results import per_category
+    cat = per_category(ResultStore(tmp_path, {}).items())["mock"]
+    assert cat["errors"] == 1 and cat["n"] == 0 and cat["accuracy"] is None   # not a 0% result
+
+    sim = ScriptedUser(["Hi, I need help with my reservation.", "No, that is all.", "###STOP###"])
+    try:   # the rerun (same store) retries the item against a reachable simulator: scored
+        live = Tau2Suite(user_url=sim.url, user_model="openai/scripted-user", solo=False)
+        [r] = run_items([("mock", task)], lambda c: live.make_env(), engine, ScriptedPolicy(_talker),
+                        ResultStore(tmp_path, {}), HarnessConfig(batch_size=1))
+        assert r.error is None and r.score == 1.0
+    finally:
+        sim.close()
+    items = ResultStore(tmp_path, {}).items()
+    assert len(items) == 1 and items[0].score == 1.0 and items[0].error is None

@@ -35,10 +35,12 @@ WEIGHTS = {"non_live": 10, "live": 10, "irrelevance": 10, "multi_turn": 30, "age
 SIMPLE = ["simple_python", "simple_java", "simple_javascript"]
 
 
-def mean_overall(categories: dict[str, dict[str, Any]]) -> float:
-    """Item-weighted accuracy over every evaluated item (builtin, tau2)."""
-    n = sum(c["n"] for c in categories.values())
-    return sum(c["accuracy"] * c["n"] for c in categories.values()) / n if n else 0.0
+def mean_overall(categories: dict[str, dict[str, Any]]) -> float | None:
+    """Item-weighted accuracy over every scored item (builtin, tau2); None when nothing was scored
+    (items that could not run are errors, never zeros)."""
+    scored = [c for c in categories.values() if c["n"] and c["accuracy"] is not None]
+    n = sum(c["n"] for c in scored)
+    return sum(c["accuracy"] * c["n"] for c in scored) / n if n else None
 
 
 def _bfcl_helpers():
@@ -66,6 +68,8 @@ def _category_size(name: str) -> int | None:
 
 def bfcl_overall(categories: dict[str, dict[str, Any]]) -> dict[str, Any]:
     h = _bfcl_helpers()
+    # a category none of whose items could run (all errors) counts as not run
+    categories = {k: c for k, c in categories.items() if c["n"] and c["accuracy"] is not None}
 
     def cat(name: str, strict: bool) -> dict | None:
         if name in categories:

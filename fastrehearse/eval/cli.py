@@ -2,10 +2,14 @@
 
   fastrehearse eval --suite bfcl --categories simple_python multi_turn_base --policy gold --out runs/eval/gold
   fastrehearse eval --suite builtin --policy smollm2 --limit 20 --rehearsal-budget 2 --out runs/eval/smol-r2
+  fastrehearse eval --suite builtin --policy smollm2 --rehearsal-budget 2 --rehearsal-commit select ...
   fastrehearse eval --suite builtin --policy runs/demo/export --drift rename,units --out runs/eval/drift
 
-Writes OUT/items.jsonl (one line per finished item, appended as items finish), OUT/results.json,
-OUT/results.md and OUT/accuracy.png. Rerunning with the same --out skips finished items.
+Every item runs as one episode of the rollout engine (fastrehearse.rollout, the driver training
+uses), scored by the benchmark's own checker. Writes OUT/items.jsonl (one line per finished item,
+appended as items finish), OUT/results.json, OUT/results.md and OUT/accuracy.png. Rerunning with the
+same --out skips scored items and retries items that could not run (errors, never scored).
+Exit status: 0 all items scored, 1 some could not run, 2 a usage error (nothing run).
 """
 from __future__ import annotations
 
@@ -18,8 +22,9 @@ from typing import Any
 
 from fastrehearse.eval import aggregate, report, suites
 from fastrehearse.eval.drift import DriftEnv, DriftSpec
-from fastrehearse.eval.harness import HarnessConfig, run_items
+from fastrehearse.eval.rehearsal import FORMS as REHEARSAL_FORMS, MODES as REHEARSAL_MODES
 from fastrehearse.eval.results import ResultStore, per_category
+from fastrehearse.eval.runner import EvalSettings, evaluate_items
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,42 +37,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", required=True,
                    help="'gold' (replay ground truth), or a model spec for fastrehearse.model.load_model: "
                         "an HF dir (e.g. a trainer export), a .gguf, 'smollm2', 'tiny-llama', ...")
-    p.add_argument("--limit", type=int, default=None, help="first N items of each category")
+    p.add_argument("--limit", type=int, default=None, help="first N items of each category (N >= 1)")
     p.add_argument("--rehearsal-budget", type=int, default=0,
                    help="test-time rehearsal: private rehearsals before each committed turn (0 = off)")
-    p.add_argument("--rehearsal-mode", choices=("parallel", "sequential"), default="parallel")
-    p.add_argument("--rehearsal-commit", choices=("note", "select"), default="note",
-                   help="note: the rehearsals become a note in context before the committed turn; "
-                        "select: commit the greedy turn or a draft, whichever the world model "
-                        "predicts will not fail (see fastrehearse/eval/rehearsal.py)")
+    p.add_argument("--rehearsal-mode", choices=REHEARSAL_MODES, default="parallel")
+    p.add_argument("--rehearsal-commit", choices=REHEARSAL_FORMS, default="memory",
+                   help="memory: the rehearsals and the model's own assessment of each become one "
+                        "rehearsal memory in context before the committed turn (the paper's form); "
+                        "select: commit the greedy turn or a draft, whichever the world model predicts "
+                        "will not fail (see fastrehearse/eval/rehearsal.py)")
     p.add_argument("--rehearsal-horizon", type=int, default=1,
-                   help="steps each private rehearsal looks ahead (policy turn + predicted responses)")
+                   help="agent turns each private rehearsal looks ahead (each with predicted responses)")
     p.add_argument("--drift", default=None, help="perturb real responses, e.g. 'rename,errors,units,"
                    "formats,remove:TOOL' or 'all' (see fastrehearse/eval/drift.py)")
     p.add_argument("--measure-fidelity", action="store_true",
-                   help="also rehearse every real call and compare with the real response "
-                        "(on by default with --drift and a model policy)")
+                   help="also run each item in rehearse mode and compare every rehearsed response with "
+                        "the real one (on by default with --drift and a model policy)")
     p.add_argument("--out", required=True, help="run directory (resumable)")
     p.add_argument("--batch-size", type=int, default=8, help="episodes decoded together")
     p.add_argument("--max-steps", type=int, default=None,
-                   help="policy turns per user turn (default: bfcl 20 as BFCL's own limit, builtin 12, "
-                        "tau2 16); --policy gold is never cut (its record is finite)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per assistant turn")
-    p.add_argument("--max-response-tokens", type=int, default=128, help="tokens per rehearsed response")
-    p.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="default: the model's context length minus --max-new-tokens; longer prompts "
-                        "drop their oldest turns, then their middle")
+                   help="agent turns per user turn (the engine's max_turns; default: bfcl 20 as BFCL's "
+                        "own limit, builtin 12, tau2 16); --policy gold is never cut")
+    p.add_argument("--max-new-tokens", type=int, default=256,
+                   help="tokens per agent turn and per rehearsed response")
+    p.add_argument("--max-episode-tokens", type=int, default=None,
+                   help="tokens per episode, prompt included (default: the model's context length); "
+                        "an item whose prompt alone does not fit is an error, never truncated")
     p.add_argument("--temperature", type=float, default=0.0, help="committed turns (0 = greedy)")
+    p.add_argument("--rehearsal-temperature", type=float, default=0.7,
+                   help="private rehearsal drafts (sampled, so parallel drafts differ)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--prefill-batch-cells", type=int, default=None,
-                   help="max B*T^2 of one padded prefill (default 8M); 1 = every prompt alone, "
-                        "which maximizes KV prefix reuse (best on CPU when prompts are long)")
     p.add_argument("--time-limit-s", type=float, default=None,
-                   help="start no new item after this many seconds (live ones finish; rerun to resume)")
+                   help="start no new chunk of items after this many seconds (rerun to resume)")
     p.add_argument("--quiet", action="store_true")
     return p
+
+
+class UsageError(ValueError):
+    """A bad argument: `main` prints it as one line and exits 2, before any model loads."""
 
 
 def _split(values: list[str] | None) -> list[str] | None:
@@ -76,28 +85,39 @@ def _split(values: list[str] | None) -> list[str] | None:
     return [v for x in values for v in x.split(",") if v]
 
 
-def make_policy(args: argparse.Namespace, loaded=None):
-    """`loaded`: an already loaded (model, tokenizer) for args.policy (benchmarks reuse one)."""
-    if args.policy == "gold":
-        if args.rehearsal_budget:
-            raise ValueError("--rehearsal-budget needs a model policy (gold replays ground truth)")
-        from fastrehearse.eval.policies import GoldPolicy
-        return GoldPolicy()
-    from fastrehearse.eval.policies import GenConfig, ModelPolicy
-    from fastrehearse.model import load_model
+GOLD_TOKENIZER = "smollm2"   # gold turns are forced text: a tokenizer suffices, no model runs
 
-    model, tok = loaded or load_model(args.policy, dtype=args.dtype, device=args.device, seed=args.seed)
-    gen = GenConfig(max_new_tokens=args.max_new_tokens, max_response_tokens=args.max_response_tokens,
-                    max_prompt_tokens=args.max_prompt_tokens, temperature=args.temperature, seed=args.seed,
-                    kv_cache_entries=max(8, args.batch_size))
-    if args.prefill_batch_cells is not None:
-        gen.pad_cells = args.prefill_batch_cells
-    policy = ModelPolicy(model, tok, name=str(args.policy), gen=gen)
+
+def load(args: argparse.Namespace, loaded=None):
+    """(model, tokenizer, engine token source) for args.policy. `loaded`: an already loaded (model,
+    tokenizer) (benchmarks reuse one). A model that cannot load is a UsageError."""
+    from fastrehearse.model import load_model, load_tokenizer
+
+    if loaded is None:
+        try:
+            loaded = ((None, load_tokenizer(GOLD_TOKENIZER)) if args.policy == "gold" else
+                      load_model(args.policy, dtype=args.dtype, device=args.device, seed=args.seed))
+        except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
+            raise UsageError(f"--policy {args.policy}: {e}") from None
+    model, tok = loaded
+    if args.policy == "gold":
+        from fastrehearse.rollout.policy import GoldPolicy
+        return model, tok, GoldPolicy()
     if args.rehearsal_budget:
         from fastrehearse.eval.rehearsal import RehearsalPolicy
-        policy = RehearsalPolicy(policy, args.rehearsal_budget, args.rehearsal_mode, args.rehearsal_horizon,
-                                 commit=args.rehearsal_commit)
-    return policy
+        return model, tok, RehearsalPolicy(
+            model, tok, args.rehearsal_budget, form=args.rehearsal_commit, mode=args.rehearsal_mode,
+            horizon=args.rehearsal_horizon, temperature=args.rehearsal_temperature,
+            max_new_tokens=args.max_new_tokens, max_episode_tokens=args.max_episode_tokens)
+    from fastrehearse.rollout.policy import ModelPolicy
+    return model, tok, ModelPolicy()
+
+
+def settings(args: argparse.Namespace, drift: DriftSpec | None) -> EvalSettings:
+    return EvalSettings(
+        max_turns=args.max_steps or 1, max_new_tokens=args.max_new_tokens,
+        max_episode_tokens=args.max_episode_tokens, temperature=args.temperature, batch_size=args.batch_size,
+        seed=args.seed, fidelity=args.policy != "gold" and (args.measure_fidelity or drift is not None))
 
 
 def summarize(args: argparse.Namespace, store: ResultStore, keys_in_order: list[tuple[str, str]],
@@ -118,8 +138,11 @@ def summarize(args: argparse.Namespace, store: ResultStore, keys_in_order: list[
     else:
         res["overall"] = aggregate.mean_overall(cats)
         res["aggregation"] = "mean over items"
+    errors = [r for r in items if r.error is not None]
+    items = [r for r in items if r.error is None]
     n = len(items)
-    res["n"] = n
+    res["n"] = n                       # scored items
+    res["errors"] = len(errors)        # items that could not run (not scored; a rerun retries them)
     res["rehearsal"] = {"budget": args.rehearsal_budget, "mode": args.rehearsal_mode,
                         "horizon": args.rehearsal_horizon, "commit": args.rehearsal_commit}
     res["drift"] = drift.describe() if drift else None
@@ -146,36 +169,71 @@ def _cpu_name() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    run(build_parser().parse_args(argv))
+    """0: every item scored; 1: some items could not run (errors; rerun the same --out to retry
+    them); 2: a usage error (one line, nothing run)."""
+    args = build_parser().parse_args(argv)
+    try:
+        res = run(args)
+    except UsageError as e:
+        print(f"fastrehearse eval: error: {e}", file=sys.stderr)
+        return 2
+    if res["errors"]:
+        print(f"fastrehearse eval: {res['errors']} item(s) could not run (not scored); rerun with the same "
+              f"--out to retry them", file=sys.stderr)
+        return 1
     return 0
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every argument checked before anything is loaded or written (UsageError names it)."""
+    args.categories = _split(args.categories)
+    if args.categories is not None and not args.categories:
+        raise UsageError("--categories: empty list")
+    if args.limit is not None and args.limit < 1:
+        raise UsageError(f"--limit must be >= 1 (items per category), got {args.limit}")
+    for name in ("batch_size", "max_steps", "max_new_tokens", "max_episode_tokens", "rehearsal_horizon"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.rehearsal_budget < 0:
+        raise UsageError(f"--rehearsal-budget must be >= 0, got {args.rehearsal_budget}")
+    if args.policy == "gold" and args.rehearsal_budget:
+        raise UsageError("--rehearsal-budget needs a model policy (gold replays ground truth)")
+    for name in ("temperature", "rehearsal_temperature"):
+        if not getattr(args, name) >= 0:     # NaN fails too
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.time_limit_s is not None and not args.time_limit_s > 0:
+        raise UsageError(f"--time-limit-s must be > 0, got {args.time_limit_s}")
 
 
 def run(args: argparse.Namespace, loaded=None) -> dict[str, Any]:
     """Run one eval; returns the results.json content. `loaded`: see make_policy."""
-    args.categories = _split(args.categories)
-    for name in ("batch_size", "max_steps", "max_new_tokens", "max_response_tokens", "max_prompt_tokens"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.rehearsal_budget < 0:
-        raise ValueError(f"--rehearsal-budget must be >= 0, got {args.rehearsal_budget}")
-    drift = DriftSpec.parse(args.drift)
+    check_args(args)
+    try:   # suites and categories resolve (and fail) before the model loads
+        drift = DriftSpec.parse(args.drift)
+        sr = suites.build(args.suite, args.categories, args.limit,
+                          10**6 if args.policy == "gold" else args.max_steps, args.seed)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise UsageError(str(e).strip("'\"")) from None
+    if not sr.items:
+        raise UsageError(f"no items: suite {args.suite} categories {args.categories} are empty")
     if args.policy == "gold":
         args.max_steps = 10**6
-    sr = suites.build(args.suite, args.categories, args.limit, args.max_steps, args.seed)
-    config = {"suite": args.suite, "policy": args.policy, "rehearsal_budget": args.rehearsal_budget,
-              "rehearsal_mode": args.rehearsal_mode, "rehearsal_horizon": args.rehearsal_horizon,
-              **({"rehearsal_commit": args.rehearsal_commit} if args.rehearsal_commit != "note" else {}),
+    config = {"harness": "engine", "suite": args.suite, "policy": args.policy,
+              "rehearsal_budget": args.rehearsal_budget, "rehearsal_mode": args.rehearsal_mode,
+              "rehearsal_horizon": args.rehearsal_horizon, "rehearsal_commit": args.rehearsal_commit,
+              "rehearsal_temperature": args.rehearsal_temperature,
               "drift": drift.describe() if drift else None, "seed": args.seed,
               "max_steps": args.max_steps, "max_new_tokens": args.max_new_tokens,
-              "max_response_tokens": args.max_response_tokens, "temperature": args.temperature,
-              "max_prompt_tokens": args.max_prompt_tokens, "measure_fidelity": args.measure_fidelity,
-              "prefill_batch_cells": args.prefill_batch_cells,
+              "max_episode_tokens": args.max_episode_tokens, "temperature": args.temperature,
+              "measure_fidelity": args.measure_fidelity,
               "limit": args.limit, "batch_size": args.batch_size, "categories": args.categories}
-    store = ResultStore(args.out, config)
+    try:
+        store = ResultStore(args.out, config)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     keys = [(c, t.id) for c, t in sr.items]
     todo = sum(not store.done(c, t.id) for c, t in sr.items)
-    policy = make_policy(args, loaded) if todo else None
-    measure = policy is not None and args.policy != "gold" and (args.measure_fidelity or drift is not None)
+    s = settings(args, drift)
 
     def make_env(c: str):
         env = sr.make_env(c)
@@ -183,19 +241,21 @@ def run(args: argparse.Namespace, loaded=None) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     if todo:
+        model, tok, policy = load(args, loaded)
         from tqdm import tqdm
         bar = tqdm(total=todo, desc=f"eval {args.suite}/{args.policy}", disable=args.quiet, file=sys.stderr)
-        seen = [0, 0.0]   # items finished, summed score
+        seen = [0, 0.0]   # items scored, summed score
 
         def on_item(r):
-            seen[0] += 1
-            seen[1] += r.score
             bar.update(1)
-            bar.set_postfix(acc=f"{seen[1] / seen[0]:.2f}")
+            if r.error is None:
+                seen[0] += 1
+                seen[1] += r.score
+                bar.set_postfix(acc=f"{seen[1] / seen[0]:.2f}")
 
-        cfg = HarnessConfig(batch_size=args.batch_size, measure_fidelity=measure,
-                            deadline=None if args.time_limit_s is None else t0 + args.time_limit_s)
-        run_items(sr.items, make_env, policy, store, cfg, max_steps_for=sr.max_steps_for, on_item=on_item)
+        evaluate_items(sr.items, make_env, model, tok, policy, store, s, max_turns_for=sr.max_steps_for,
+                       deadline=None if args.time_limit_s is None else t0 + args.time_limit_s,
+                       on_item=on_item)
         bar.close()
     res = summarize(args, store, keys, time.perf_counter() - t0, drift)
     prev = store.dir / "results.json"

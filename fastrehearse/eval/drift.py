@@ -176,6 +176,15 @@ def reword_error(text: str, kind: str | None) -> str:
     return json.dumps({"error": {"code": code, "detail": detail}})
 
 
+def _call_names(message: dict) -> list[str]:
+    """Tool names an assistant message called, valid or not (syntax-only parse of its raw text)."""
+    raw = message.get("raw_text")
+    if isinstance(raw, str):
+        from fastrehearse.rollout.toolcall import parse_tool_calls
+        return [c.call.name for c in parse_tool_calls(raw, None).calls if c.ok]
+    return [tc.get("function", tc).get("name") for tc in message.get("tool_calls") or []]
+
+
 class DriftEnv(ToolEnv):
     """Wraps a real `ToolEnv`; the agent sees drifted schemas and responses."""
 
@@ -185,20 +194,34 @@ class DriftEnv(ToolEnv):
         self.removed: str | None = None
         self.stats = {"responses": 0, "changed": 0, "removed_tool_calls": 0}
 
-    def __getattr__(self, name: str) -> Any:
-        # Env-specific hooks (e.g. BFCL's next user turn) pass through to the real environment.
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    # The environment protocol (fastrehearse.envs.base), forwarded explicitly: ToolEnv's defaults
+    # would otherwise shadow the wrapped environment's user turns, stop tool and argument checks.
+    @property
+    def tools(self) -> list[dict] | None:
+        """The wrapped env's current tools (None: unchanged since reset), minus a removed tool."""
+        t = self.inner.tools
+        if t is None or self.removed is None:
+            return t
+        return [x for x in t if x.get("function", {}).get("name") != self.removed]
 
     @property
-    def tools(self) -> Any:
-        # Environments whose visible tools change mid-task (BFCL miss_func) expose `tools`.
-        t = self.inner.tools
-        if isinstance(t, list):
-            return [x for x in t if not (isinstance(x, dict) and
-                                         x.get("function", {}).get("name") == self.removed)]
-        return t
+    def finished(self) -> bool:
+        return self.inner.finished
+
+    @property
+    def control_tools(self) -> frozenset[str]:
+        return self.inner.control_tools
+
+    @property
+    def validates_arguments(self) -> bool:
+        return self.inner.validates_arguments
+
+    @property
+    def grades_calls_only(self) -> bool:
+        return self.inner.grades_calls_only
+
+    def next_user_message(self, reply: dict | None = None) -> dict | None:
+        return self.inner.next_user_message(reply)
 
     def reset(self, task: Task) -> ResetResult:
         res = self.inner.reset(task)
@@ -216,7 +239,6 @@ class DriftEnv(ToolEnv):
 
     def execute(self, call: ToolCall) -> ToolResult:
         if self.removed is not None and call.name == self.removed:
-            self.stats["removed_tool_calls"] += 1
             return ToolResult(content=f"Error: unknown tool '{call.name}'", ok=False,
                               error_kind="unknown_tool")
         real = self.inner.execute(call)
@@ -256,6 +278,12 @@ class DriftEnv(ToolEnv):
     def score(self, task: Task, trajectory: Trajectory) -> float:
         if self.removed is None:
             return self.inner.score(task, trajectory)
+        # Calls the agent made to the removed tool: the driver refuses them as unknown tools before
+        # execute, so they are counted here, from what the agent wrote (the engine scores an
+        # episode before it reads drift_stats).
+        self.stats["removed_tool_calls"] = sum(
+            name == self.removed for m in trajectory.messages if m.get("role") == "assistant"
+            for name in _call_names(m))
         # A call to the removed tool never happened: checkers that replay the trajectory's calls
         # (the builtin suite's does) must not see it.
         msgs = []

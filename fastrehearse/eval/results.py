@@ -6,8 +6,11 @@ Layout of `--out DIR`:
   DIR/items.jsonl    one JSON line per finished item, appended (and flushed) as each item completes
   DIR/results.json   the aggregate, rewritten at the end of every run
 
-A rerun with the same DIR reads items.jsonl and skips every (category, id) already there. A line
-cut short by a crash mid-write is ignored (that item simply runs again).
+A rerun with the same DIR reads items.jsonl and skips every (category, id) already *scored* there.
+An item that could not run (environment or user simulator unreachable, policy crash, checker
+crash) is stored with `error` set and `score` None: it is not a result, it is never counted in
+accuracy, and a rerun retries it (its newer line replaces the old one). A line cut short by a crash
+mid-write is ignored (that item simply runs again).
 """
 from __future__ import annotations
 
@@ -22,14 +25,15 @@ from typing import Any, Iterable
 class ItemResult:
     id: str
     category: str
-    score: float                       # task success in [0, 1] from the benchmark's own checker
+    score: float | None                # task success in [0, 1] from the benchmark's own checker;
+                                       # None when the item could not run (see `error`)
     steps: int = 0                     # policy turns taken
     real_calls: int = 0                # env.execute calls made (committed calls only)
     gen_tokens: int = 0                # tokens generated for committed turns
     rehearsal_tokens: int = 0          # tokens generated in private rehearsals (test-time rehearsal)
     prompt_tokens: int = 0             # prompt tokens fed to the model (all generations)
     malformed: int = 0                 # turns whose tool-call text could not be parsed
-    error: str | None = None           # harness-level failure for this item (the item scores 0)
+    error: str | None = None           # why the item could not run (then score is None)
     time_s: float = 0.0
     fidelity: dict[str, float] | None = None   # world-model fidelity when measured (drift runs)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -82,7 +86,9 @@ class ResultStore:
                 yield ItemResult(**d)
 
     def done(self, category: str, item_id: str) -> bool:
-        return (category, item_id) in self._items
+        """Scored already (an item recorded as an error is not done: a rerun retries it)."""
+        r = self._items.get((category, item_id))
+        return r is not None and r.error is None
 
     def add(self, result: ItemResult) -> None:
         self._items[result.key] = result
@@ -107,23 +113,26 @@ _RESUME_FREE_KEYS = {"limit", "batch_size", "categories", "prefill_batch_cells",
 
 
 def per_category(items: list[ItemResult]) -> dict[str, dict[str, Any]]:
-    """{category: {"accuracy", "n", token and call means}} over finished items."""
+    """{category: {"accuracy", "n", "errors", token and call means}}: accuracy and the means are over
+    the n scored items; `errors` counts items that could not run (accuracy None when none ran)."""
     cats: dict[str, list[ItemResult]] = {}
     for r in items:
         cats.setdefault(r.category, []).append(r)
     out = {}
     for name in sorted(cats):
-        rs = cats[name]
+        errors = [r for r in cats[name] if r.error is not None]
+        rs = [r for r in cats[name] if r.error is None]
         n = len(rs)
         entry: dict[str, Any] = {
-            "accuracy": sum(r.score for r in rs) / n,
+            "accuracy": sum(r.score for r in rs) / n if n else None,
             "n": n,
-            "errors": sum(r.error is not None for r in rs),
+            "errors": len(errors),
+            "error_examples": sorted({r.error for r in errors})[:3],
             "malformed_turns": sum(r.malformed for r in rs),
-            "mean_gen_tokens": sum(r.gen_tokens for r in rs) / n,
-            "mean_rehearsal_tokens": sum(r.rehearsal_tokens for r in rs) / n,
-            "mean_prompt_tokens": sum(r.prompt_tokens for r in rs) / n,
-            "mean_real_calls": sum(r.real_calls for r in rs) / n,
+            "mean_gen_tokens": sum(r.gen_tokens for r in rs) / max(n, 1),
+            "mean_rehearsal_tokens": sum(r.rehearsal_tokens for r in rs) / max(n, 1),
+            "mean_prompt_tokens": sum(r.prompt_tokens for r in rs) / max(n, 1),
+            "mean_real_calls": sum(r.real_calls for r in rs) / max(n, 1),
         }
         fid = [r.fidelity for r in rs if r.fidelity]
         if fid:
