@@ -1,0 +1,105 @@
+"""benchmarks/roofline.py: record schema, hand-computed FLOP / byte counts, the target check."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "roofline.py"
+_spec = importlib.util.spec_from_file_location("fr_roofline", _PATH)
+roofline = importlib.util.module_from_spec(_spec)
+sys.modules["fr_roofline"] = roofline      # dataclasses look their module up
+_spec.loader.exec_module(roofline)
+
+KEYS = {"method", "N", "H", "V", "unmasked", "predicted_ms", "floor_ms", "workspace_bytes",
+        "bound_by"}
+N, H, V = 16384, 4096, 128256
+
+
+def _find(recs, method, key="reference", frac=1.0):
+    out = [r for r in recs if r["method"] == method and r["design_key"] == key
+           and r["unmasked"] == frac]
+    assert len(out) == 1, (method, design_word, len(out))
+    return out[0]
+
+
+@pytest.fixture(scope="module")
+def recs():
+    return roofline.build("h200", [(H, V)], [N], [1.0, 0.25])
+
+
+def test_schema_and_every_method_present(recs):
+    for r in recs:
+        assert KEYS <= set(r), KEYS - set(r)
+        assert r["predicted_ms"] >= r["floor_ms"] > 0
+        assert r["predicted_serial_ms"] >= r["predicted_ms"]
+        assert r["workspace_bytes"] >= 0 and r["bound_by"]
+    names = {r["method"] for r in recs}
+    assert set(roofline.LOGPROB_METHODS + roofline.LOSS_METHODS) <= names
+    # both designs of ours, labelled distinctly
+    for m in ("ours-logprobs", "ours-fused-loss"):
+        keys = {r["design_key"] for r in recs if r["method"] == m and r["unmasked"] == 1.0}
+        assert keys == {"row-chunked", "vocab-outer"}
+
+
+def test_hand_computed_flops_and_bytes(recs):
+    nhv = N * H * V
+    fused = _find(recs, "ours-fused-loss", "row-chunked")
+    assert fused["flops"] == 6 * nhv                   # fwd GEMM + dX + dW, 512-row chunks
+    assert fused["floor_ms"] == pytest.approx(6 * nhv / 790e12 * 1e3, rel=1e-4)   # 65.37 ms
+    assert fused["floor_ms"] == pytest.approx(65.37, abs=0.01)
+    lp = _find(recs, "ours-logprobs", "row-chunked")
+    assert lp["flops"] == 8 * nhv                      # + the backward's logits recompute
+    assert _find(recs, "naive")["flops"] == 6 * nhv
+    # the fp32 dW accumulator piece per 512-row chunk: read dZ^T (bf16), X_c (bf16), read and
+    # write the V x H fp32 accumulator; 32 chunks
+    dw = next(p for p in fused["pieces"] if p["name"].startswith("dW += "))
+    assert dw["count"] == 32
+    assert dw["bytes"] == 512 * V * 2 + 512 * H * 2 + 2 * V * H * 4
+    assert dw["flops"] == 2 * 512 * V * H
+    # ~134 GB of accumulator traffic per fwd+bwd, as issue 17 estimates
+    assert 32 * 2 * V * H * 4 == pytest.approx(134.5e9, rel=1e-3)
+    # at 25% unmasked, compacting methods do a quarter of the FLOPs, mask-agnostic ones all
+    assert _find(recs, "ours-fused-loss", "row-chunked", 0.25)["flops"] == 6 * nhv // 4
+    assert _find(recs, "liger FLCE", frac=0.25)["flops"] == 6 * nhv
+
+
+def test_small_shape_piece_times():
+    # one chunk (the 256 MiB budget holds 1000 rows of V=3000): roofline = max(compute, memory)
+    d = roofline.ours_fused_loss(1000, 64, 3000, "row-chunked", 1.5 * 2**30)
+    r = roofline.record(d, "h200", 1000, 64, 3000, 1.0)
+    assert r["flops"] == 6 * 1000 * 64 * 3000
+    fwd = next(p for p in r["pieces"] if p["name"].startswith("fwd Z"))
+    b = 1000 * 64 * 2 + 3000 * 64 * 2 + 1000 * 3000 * 4
+    assert fwd["bytes"] == b
+    assert fwd["ms"] == pytest.approx(max(2 * 1000 * 64 * 3000 / 790e12, b / 4.3e12) * 1e3,
+                                      abs=1e-4)   # records round to 0.1 us
+
+
+def test_targets_and_json(tmp_path, recs):
+    t = roofline.targets(recs)
+    assert len(t) == 4
+    cur = next(x for x in t if x["method"] == "ours-logprobs" and x["design_key"] == "row-chunked")
+    assert not cur["workspace_met"]                    # the 2 GiB fp32 dW accumulator
+    vo = next(x for x in t if x["method"] == "ours-logprobs" and x["design_key"] == "vocab-outer")
+    assert vo["workspace_met"]
+    out = tmp_path / "r.json"
+    roofline.main(["--shapes", "576x49152", "--n", "4096", "--fracs", "1.0", "--json", str(out),
+                   "--measured"])
+    data = json.loads(out.read_text())
+    assert isinstance(data, list) and data and all(KEYS <= set(r) for r in data)
+
+
+def test_measured_join(tmp_path):
+    recs = roofline.build("h100", [(576, 49152)], [4096], [1.0])
+    m = tmp_path / "bench.json"
+    m.write_text(json.dumps({"hardware": {"gpu": "X"}, "gemm_tflops": 700.0, "rows": [
+        {"method": "ours (triton)", "N": 4096, "H": 576, "V": 49152, "frac": 1.0,
+         "median_ms": 3.0}]}))
+    roofline.join_measured(recs, [str(m)])
+    hit = [r for r in recs if r.get("measured_ms") == 3.0]
+    assert {r["method"] for r in hit} == {"ours-logprobs"} and len(hit) == 2
+    assert all(r["device"] == "NVIDIA H100 SXM" and r["hbm_tbps"] == 3.0 for r in recs)
