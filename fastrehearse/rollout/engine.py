@@ -697,8 +697,8 @@ class RolloutEngine:
     def _metrics(self, rows: list[_Row], episodes: list[Episode], stats: Counter, wall: float) -> dict:
         role_tokens = Counter()
         for ep in episodes:
-            for r in ep.roles:
-                role_tokens[Role(r).name] += 1
+            for r, n in Counter(ep.roles).items():
+                role_tokens[Role(r).name] += n
         malformed, modes, stops = Counter(), Counter(), Counter()
         fid: list[FidelityScore] = []
         errors = sum(1 for e in episodes if "error" in e.metadata)

@@ -187,6 +187,23 @@ class ChatTemplate:
                add_generation_prompt: bool = False) -> Rendered:
         """Token ids + one role per token. `tool_roles`: one role for all tool turns, or one per
         tool turn in order (REHEARSE for rehearsed responses, OBSERVED for executed ones)."""
+        scaffolds, contents, roles, real = self._pieces(messages, tools, tool_roles, add_generation_prompt)
+        ids: list[int] = []
+        out_roles: list[int] = []
+        spans, span_texts = [], []
+        for k, scaffold in enumerate(scaffolds):
+            for text, role, mi in ((scaffold, Role.CONTEXT, -1),
+                                   *(((contents[k], roles[k], k),) if k < len(contents) else ())):
+                toks = self.encode(text)
+                spans.append((len(ids), len(ids) + len(toks), int(role), mi))
+                span_texts.append(text)
+                ids += toks
+                out_roles += [int(role)] * len(toks)
+        return Rendered(ids, out_roles, real, spans, span_texts)
+
+    def _pieces(self, messages, tools, tool_roles, add_generation_prompt):
+        """(scaffolding texts, contents as inserted, content roles, rendered text): scaffolds[k]
+        precedes contents[k]; the last scaffold follows the last content."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of chat messages")
         contents, roles = [], []
@@ -233,20 +250,7 @@ class ChatTemplate:
                              "fastrehearse cannot tag roles for it")
         real = self.render_text(with_contents(contents), tools,
                                 add_generation_prompt=add_generation_prompt)
-        contents = _match_contents(pieces[::2], contents, real)
-
-        ids: list[int] = []
-        out_roles: list[int] = []
-        spans, span_texts = [], []
-        for k, scaffold in enumerate(pieces[::2]):
-            for text, role, mi in ((scaffold, Role.CONTEXT, -1),
-                                   *(((contents[k], roles[k], k),) if k < len(contents) else ())):
-                toks = self.encode(text)
-                spans.append((len(ids), len(ids) + len(toks), int(role), mi))
-                span_texts.append(text)
-                ids += toks
-                out_roles += [int(role)] * len(toks)
-        return Rendered(ids, out_roles, real, spans, span_texts)
+        return pieces[::2], _match_contents(pieces[::2], contents, real), roles, real
 
     def render_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> Rendered:
         """The initial prompt of an episode: everything CONTEXT, ending with the generation prompt."""
@@ -265,11 +269,13 @@ class ChatTemplate:
                  {"role": "assistant", "content": "A"}]
         if not messages or any(m.get("role") not in ("user", "system") for m in messages):
             raise ValueError("continuation() takes user / system messages only")
-        r = self.render(probe + list(messages), tools, add_generation_prompt=True)
-        k = next(i for i, sp in enumerate(r.spans) if sp[3] == len(probe))  # first new message
-        joint = r.span_texts[k - 1]         # scaffolding between the reply and the new message
+        scaffolds, contents, _, _ = self._pieces(probe + list(messages), tools, Role.REHEARSE, True)
+        joint = scaffolds[len(probe)]       # scaffolding between the reply and the first new message
         head = joint[joint.index(marker) + len(marker):] if marker and marker in joint else joint
-        return self.encode(head) + r.input_ids[r.spans[k][0]:]
+        ids = self.encode(head)
+        for k in range(len(probe), len(contents)):   # tokenized piece by piece, as render() does
+            ids += self.encode(contents[k]) + self.encode(scaffolds[k + 1])
+        return ids
 
     # -- scaffolding for inline turn switching ------------------------------------------------
     def _build_scaffolding(self) -> Scaffolding:
