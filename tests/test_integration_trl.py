@@ -30,7 +30,7 @@ def tiny_tokenizer():
                                                 eos_token="<eos>", unk_token="<unk>")
 
 
-def tiny_model(kind="llama", seed=0, **over):
+def tiny_model(kind="llama", seed=0, head_std=0.5, **over):
     torch.manual_seed(seed)
     common = dict(vocab_size=63 + 1, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -49,7 +49,7 @@ def tiny_model(kind="llama", seed=0, **over):
         raise ValueError(kind)
     model = cls(cfg).float()
     with torch.no_grad():  # a random head with visible logits, so transforms matter
-        model.get_output_embeddings().weight.normal_(0.0, 0.5)
+        model.get_output_embeddings().weight.normal_(0.0, head_std)
     return model
 
 
@@ -119,12 +119,17 @@ def assert_grads_equal(ga, gb, rel=1e-5):
         assert abs(float(norm(b) / norm(a)) - 1.0) < tol, f"step {step} grad norm"
 
 
-def batch_logps(trainer, model):
+def batch_inputs():
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, 63, (3, 12), generator=g)
     attn = torch.ones_like(ids)
     attn[1, :2] = 0            # left padding of a prompt
     attn[2, -3:] = 0           # padding after the end of a completion
+    return ids, attn
+
+
+def batch_logps(trainer, model):
+    ids, attn = batch_inputs()
     return trainer._get_per_token_logps_and_entropies(model, ids, attn, 6, compute_entropy=True)
 
 
@@ -162,6 +167,9 @@ def test_llama_grpo_steps_match_trl(tmp_path, fused_loss):
 
 @pytest.mark.parametrize("over", [
     dict(loss_type="bnpo", beta=0.05, use_bias_correction_kl=False),
+    dict(loss_type="grpo", beta=0.05, num_iterations=2),       # KL x ratio (TRL's default)
+    dict(loss_type="grpo", importance_sampling_level="sequence", num_iterations=2),  # GSPO
+    dict(loss_type="cispo", epsilon_high=1.1, num_iterations=2),
     dict(loss_type="dr_grpo", epsilon_high=0.28),
     dict(loss_type="dapo", num_iterations=2, delta=1.5),   # off-policy second pass: real ratios
     dict(loss_type="bnpo", entropy_coef=0.01),
@@ -196,19 +204,31 @@ def test_softcap_and_logit_scale_models_scored_or_refused(tmp_path, kind):
                              reward_funcs=reward_w7, train_dataset=prompts_dataset(),
                              processing_class=tiny_tokenizer())
     lp_a, ent_a, _ = batch_logps(ref_tr, ref_tr.model)
-    supported = {"logit_softcap", "logit_scale"} <= fr_trl._kernel_kwargs(fr_trl.linear_logprobs)
-    if not supported:
-        with pytest.raises(fr_trl.UnsupportedModelError, match="logit_s"):
-            fr_trl.FastGRPOTrainer(model=copy.deepcopy(base), args=grpo_args(tmp_path / "b"),
-                                   reward_funcs=reward_w7, train_dataset=prompts_dataset(),
-                                   processing_class=tiny_tokenizer())
-        return
     fast = fr_trl.FastGRPOTrainer(model=copy.deepcopy(base), args=grpo_args(tmp_path / "b"),
                                   reward_funcs=reward_w7, train_dataset=prompts_dataset(),
                                   processing_class=tiny_tokenizer())
+    tr = fast.head_transform
+    assert (tr.logit_softcap, tr.logit_scale) == ((2.0, None) if kind == "gemma2" else (None, 3.5))
     lp_b, ent_b, _ = batch_logps(fast, fast.model)
     torch.testing.assert_close(lp_b, lp_a, rtol=0, atol=1e-5)
     torch.testing.assert_close(ent_b, ent_a, rtol=0, atol=1e-5)
+    # and TRL's own head is right: against float64 logits of the model's own (unpatched) forward
+    ids, attn = batch_inputs()
+    with torch.no_grad():
+        z = base(input_ids=ids, attention_mask=attn).logits[:, -7:-1].double() / 0.9
+    ref = torch.log_softmax(z, -1).gather(-1, ids[:, -6:, None]).squeeze(-1)
+    on = attn[:, -6:].bool()
+    torch.testing.assert_close(lp_b.double()[on], ref[on], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "cohere"])
+def test_softcap_and_logit_scale_fused_training_matches_trl(tmp_path, kind):
+    # a head scale that keeps sampling diverse (Cohere ties the head to the embeddings)
+    base = tiny_model(kind, seed=3, head_std=0.5 if kind == "gemma2" else 0.02)
+    _, g_ref = train(trl.GRPOTrainer, copy.deepcopy(base), tmp_path / "ref")
+    fast, g_fast = train(fr_trl.FastGRPOTrainer, copy.deepcopy(base), tmp_path / "fast")
+    assert_grads_equal(g_ref, g_fast)
+    assert fast.fused_loss_calls == 3
 
 
 def test_unknown_head_transform_is_refused():
@@ -230,10 +250,8 @@ def test_head_with_bias_is_scored_or_refused():
     head = model.lm_head
     model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=True)
     model.lm_head.weight = head.weight
-    if "bias" not in fr_trl._kernel_kwargs(fr_trl.linear_logprobs):
-        with pytest.raises(fr_trl.UnsupportedModelError, match="bias"):
-            fr_trl.patch_fused_lm_head(model)
-        return
+    with torch.no_grad():
+        model.lm_head.bias.normal_(0.0, 2.0)
     ids = torch.randint(3, 63, (2, 9))
     with torch.no_grad():
         ref = torch.log_softmax(model(input_ids=ids).logits[:, :-1].double(), -1)

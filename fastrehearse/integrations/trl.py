@@ -23,7 +23,6 @@ trl is imported only when `FastGRPOTrainer` is first used; this module imports w
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import types
 import warnings
@@ -49,10 +48,6 @@ def _warn_once(key: str, msg: str) -> None:
         warnings.warn(msg, stacklevel=3)
 
 
-def _kernel_kwargs(fn) -> set[str]:
-    return set(inspect.signature(fn).parameters)
-
-
 # ---- the LM head: what the model's forward does after the backbone --------------------------
 
 
@@ -68,7 +63,7 @@ def head_transform(model) -> HeadTransform:
     """Read the head's transforms from the HF config the way TRL 1.16's fused head does.
 
     Raises UnsupportedModelError for heads the kernels cannot run (non-Linear heads such as a
-    PEFT-wrapped lm_head, MoE router outputs) or transforms this kernels build lacks.
+    PEFT-wrapped lm_head). Transforms no config field announces are caught by `verify_head`.
     """
     head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear:
@@ -85,16 +80,7 @@ def head_transform(model) -> HeadTransform:
         scale = cfg.logits_scaling if cfg.model_type == "hyperclovax" else 1.0 / cfg.logits_scaling
     scale = None if scale is None or float(scale) == 1.0 else float(scale)
     softcap = None if softcap is None else float(softcap)
-    tr = HeadTransform(head.bias is not None, softcap, scale)
-    have = _kernel_kwargs(linear_logprobs)
-    for need, name in ((tr.has_bias, "bias"), (softcap is not None, "logit_softcap"),
-                       (scale is not None, "logit_scale")):
-        if need and name not in have:
-            raise UnsupportedModelError(
-                f"{type(model).__name__} needs an LM-head {name} (config: softcap={softcap}, "
-                f"logit_scale={scale}, bias={tr.has_bias}), which this fastrehearse.kernels build "
-                "does not support; refusing rather than scoring it wrongly")
-    return tr
+    return HeadTransform(head.bias is not None, softcap, scale)
 
 
 def _head_kwargs(tr: HeadTransform, head) -> dict:
@@ -239,12 +225,10 @@ class _LossRequest:
     completion_ids: torch.Tensor      # [B, C]
     mask: torch.Tensor                # [B, C] bool: tokens that carry loss
     advantages: torch.Tensor          # [B, C] float
-    old_logp: torch.Tensor | None     # [B, C] or None (on-policy)
+    old_logp: torch.Tensor | None     # [B, C] or None (on-policy: no extra pass)
     ref_logp: torch.Tensor | None     # [B, C] when beta != 0
     token_weights: torch.Tensor       # [B, C]: TRL's normalizer as a per-token factor
     config: PolicyLossConfig
-    temperature: float
-    extra: dict                       # further kernel keywords (seq_ids, ...)
     out: object = None
 
     def run(self, last, head, tr):
@@ -254,26 +238,17 @@ class _LossRequest:
         with torch.autocast(hidden.device.type, enabled=False):
             x, w = _head_inputs(hidden, head)
             flat = lambda t: None if t is None else t.reshape(-1).float()  # noqa: E731
-            old = flat(self.old_logp)
-            if old is None and not _supports_on_policy():
-                # kernels without old_logp=None: ratio 1 from a no-grad head pass (2NHV extra)
-                with torch.no_grad():
-                    old, _ = linear_logprobs(x, w, self.completion_ids.reshape(-1),
-                                             mask=self.mask.reshape(-1),
-                                             temperature=self.temperature,
-                                             **_head_kwargs(tr, head))
+            seq = None
+            if self.config.importance_sampling == "sequence":  # GSPO: one ratio per completion
+                seq = torch.arange(b, device=x.device).repeat_interleave(c)
             out = linear_policy_loss(
-                x, w, self.completion_ids.reshape(-1), roles, flat(self.advantages), old,
-                self.config, ref_logp=flat(self.ref_logp), token_weights=flat(self.token_weights),
-                with_entropy=True, **_head_kwargs(tr, head), **self.extra)
+                x, w, self.completion_ids.reshape(-1), roles, flat(self.advantages),
+                flat(self.old_logp), self.config, ref_logp=flat(self.ref_logp),
+                token_weights=flat(self.token_weights), with_entropy=True, seq_ids=seq,
+                **_head_kwargs(tr, head))
         self.out = out
         return types.SimpleNamespace(loss=out.loss, log_probs=out.logp.view(b, c),
                                      entropy=out.entropy.view(b, c))
-
-
-def _supports_on_policy() -> bool:
-    p = inspect.signature(linear_policy_loss).parameters.get("old_logp")
-    return p is not None and p.default is None
 
 
 def _grpo_trainer_class():
@@ -300,12 +275,13 @@ class _FastGRPOMixin:
         a = self.args
         if not self.fused_loss:
             return "fused_loss=False"
-        if self.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        if self.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo"):
             return f"loss_type={self.loss_type!r} has no fused form"
-        if self.importance_sampling_level != "token":
-            return "importance_sampling_level='sequence' (GSPO) is not in this kernels build"
-        if self.beta != 0.0 and getattr(a, "use_bias_correction_kl", False):
-            return "use_bias_correction_kl=True is not in this kernels build"
+        if self.importance_sampling_level not in ("token", "sequence"):
+            return f"importance_sampling_level={self.importance_sampling_level!r}"
+        if self.loss_type == "cispo" and not self.epsilon_high >= 1.0:
+            # TRL's CISPO weight is min(ratio, epsilon_high); the kernel's min(ratio, 1 + clip_high)
+            return f"loss_type='cispo' with epsilon_high={self.epsilon_high} < 1"
         if self.off_policy_mask_threshold is not None:
             return "off_policy_mask_threshold needs the log-probs before the loss"
         if self.top_entropy_quantile < 1.0:
@@ -316,7 +292,8 @@ class _FastGRPOMixin:
             return "MoE aux loss"
         if getattr(self, "use_adaptive_entropy", False):
             return "use_adaptive_entropy=True"
-        if a.delta is not None and not a.delta > 1.0 + self.epsilon_high:
+        if (self.loss_type != "cispo" and a.delta is not None
+                and not a.delta > 1.0 + self.epsilon_high):
             return f"delta={a.delta} <= 1 + epsilon_high clips positive advantages too"
         if not 0.0 <= self.epsilon_low < 1.0:
             return f"epsilon_low={self.epsilon_low} outside [0, 1)"
@@ -337,7 +314,7 @@ class _FastGRPOMixin:
             c = 1.0 / (m.sum().clamp(min=1.0) * ga)
         elif self.loss_type == "dr_grpo":
             c = torch.tensor(1.0 / (b * self.max_completion_length * ga), dtype=torch.float64)
-        elif self.loss_type == "dapo":
+        elif self.loss_type in ("dapo", "cispo"):
             norm = inputs["num_items_in_batch"].to(torch.float64).clamp(min=1.0)
             norm = norm / self.accelerator.num_processes
             if mode == "train":
@@ -383,13 +360,17 @@ class _FastGRPOMixin:
         adv = (adv.unsqueeze(1) if adv.dim() == 1 else adv).expand_as(completion_ids)
         old = inputs.get("old_per_token_logps")
         ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
-        delta = self.args.delta
-        cfg = PolicyLossConfig(clip_low=self.epsilon_low, clip_high=self.epsilon_high,
-                               dual_clip=delta, kl_coef=float(self.beta), kl_type="k3",
-                               entropy_coef=ent_coef, temperature=float(self.temperature))
-        bool_mask = mask.bool()
-        req = _LossRequest(completion_ids, bool_mask, adv.float(), old, ref, tw, cfg,
-                           float(self.temperature), {})
+        cispo = self.loss_type == "cispo"
+        cfg = PolicyLossConfig(
+            clip_low=self.epsilon_low,
+            clip_high=self.epsilon_high - 1.0 if cispo else self.epsilon_high,
+            dual_clip=None if cispo else self.args.delta,   # = TRL's delta when > 1 + eps_high
+            pg_loss="cispo" if cispo else "ppo_clip",
+            importance_sampling=self.importance_sampling_level,
+            kl_coef=float(self.beta), kl_type="k3",
+            kl_ratio=bool(self.beta != 0.0 and self.args.use_bias_correction_kl),
+            entropy_coef=ent_coef, temperature=float(self.temperature))
+        req = _LossRequest(completion_ids, mask.bool(), adv.float(), old, ref, tw, cfg)
         out = model(input_ids=input_ids, attention_mask=attention_mask, fused_lm_head=True,
                     fastrehearse_loss=req)
         self.fused_loss_calls += 1
@@ -399,7 +380,7 @@ class _FastGRPOMixin:
             ga = self.current_gradient_accumulation_steps if mode == "train" else 1.0
             h = (out.entropy * mask).sum() / mask.sum().clamp(min=1.0) / ga
             policy = loss.detach() + float(self.entropy_coef) * h   # TRL's policy-only loss
-            if self.loss_type != "dapo":
+            if self.loss_type not in ("dapo", "cispo"):
                 policy = policy * ga
             self._metrics[mode]["policy_loss"].append(
                 self.accelerator.gather(policy).nanmean().item())
@@ -412,31 +393,40 @@ class _FastGRPOMixin:
         maskf = mask.float()
 
         def global_masked_mean(x):
-            totals = self.accelerator.reduce(torch.stack([(x * maskf).sum(), maskf.sum()]),
-                                             reduction="sum")
+            if x.shape[1] == 1:  # sequence level: one value per sequence
+                local = torch.stack([x.sum(), torch.tensor(float(x.shape[0]), device=x.device)])
+            else:
+                local = torch.stack([(x * maskf).sum(), maskf.sum()])
+            totals = self.accelerator.reduce(local, reduction="sum")
             return (totals[0] / totals[1].clamp(min=1.0)).item()
 
         def masked_seq_mean(x):
-            return (x * maskf).sum(-1) / maskf.sum(-1)
+            return x.squeeze(1) if x.shape[1] == 1 else (x * maskf).sum(-1) / maskf.sum(-1)
 
-        old = logp if old is None else old
-        coef_1 = torch.exp(logp - old)
+        log_ratio = logp - (logp if old is None else old)
+        if self.importance_sampling_level == "sequence":
+            log_ratio = ((log_ratio * maskf).sum(-1) / maskf.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        coef_1 = torch.exp(log_ratio)
+        adv = adv[:, :1] if coef_1.shape[1] == 1 else adv
+        m = self._metrics[mode]
         if self.beta != 0.0:
             d = ref - logp
-            self._metrics[mode]["kl"].append(global_masked_mean(torch.exp(d) - d - 1))
-        self._metrics[mode]["entropy"].append(global_masked_mean(ent))
+            kl = torch.exp(d) - d - 1
+            m["kl"].append(global_masked_mean(kl * coef_1 if self.args.use_bias_correction_kl
+                                              else kl))
+        m["entropy"].append(global_masked_mean(ent))
+        if self.loss_type == "cispo":
+            m["cispo_clip_ratio"].append(global_masked_mean(
+                ((coef_1 > self.epsilon_high) & (adv > 0)).float()))
+            return
         lo = ((coef_1 < 1 - self.epsilon_low) & (adv < 0)).float()
         hi = ((coef_1 > 1 + self.epsilon_high) & (adv > 0)).float()
-        self._metrics[mode]["clip_ratio/low_mean"].append(global_masked_mean(lo))
-        self._metrics[mode]["clip_ratio/high_mean"].append(global_masked_mean(hi))
-        self._metrics[mode]["clip_ratio/region_mean"].append(global_masked_mean(
-            torch.maximum(lo, hi)))
-        low_seq = self.accelerator.gather(masked_seq_mean(lo))
-        high_seq = self.accelerator.gather(masked_seq_mean(hi))
-        self._metrics[mode]["clip_ratio/low_min"].append(float(torch.nan_to_num(
-            low_seq, nan=float("inf")).min()))
-        self._metrics[mode]["clip_ratio/high_max"].append(float(torch.nan_to_num(
-            high_seq, nan=float("-inf")).max()))
+        m["clip_ratio/low_mean"].append(global_masked_mean(lo))
+        m["clip_ratio/high_mean"].append(global_masked_mean(hi))
+        m["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(lo, hi)))
+        from trl.trainer.utils import nanmax, nanmin
+        m["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(masked_seq_mean(lo))).item())
+        m["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(masked_seq_mean(hi))).item())
 
 
 @functools.lru_cache(maxsize=1)
