@@ -66,3 +66,66 @@ def test_multi_turn_cut_turns_continue_like_the_reference(tmp_path, reference):
     got = _items(tmp_path)
     want = {(w["category"], w["id"]): w["steps"] for w in run["items"] if w["category"] in cats}
     assert {k: got[k]["steps"] for k in want} == want
+
+
+def test_trainer_held_out_number_equals_fastrehearse_eval(tmp_path, monkeypatch):
+    """The trainer's eval (train/loop.py evaluate) and `fastrehearse eval` on its exported checkpoint,
+    same items, limits and seed: the same per-item scores, steps, sampled tokens and transcripts
+    (sampled at temperature 1, so equal transcripts mean equal prompts, seeds and sampling), and the
+    same success and fidelity numbers."""
+    from fastrehearse.eval import runner
+    from fastrehearse.train.config import load_config
+    from fastrehearse.train.loop import train
+
+    stores = []
+
+    class Recording(runner.MemoryStore):
+        def __init__(self):
+            super().__init__()
+            stores.append(self)
+
+    monkeypatch.setattr(runner, "MemoryStore", Recording)
+    run_dir = tmp_path / "run"
+    cfg = load_config("configs/smoke.yaml", [f"run_dir={run_dir}", "steps=1", "sft.steps=1", "eval.num_tasks=3",
+                                             "eval.before=false", "eval.temperature=1.0", "eval.fidelity=true"])
+    summary = train(cfg)
+    trainer = {r.id: r for r in stores[0].items()}
+    assert len(trainer) == 3 and all(r.error is None for r in trainer.values())
+
+    out = tmp_path / "cli"
+    rc = cfg.rollout
+    res = cli.run(cli.build_parser().parse_args([
+        "--suite", "builtin", "--categories", "test:easy:task", "--policy", str(run_dir / "export"),
+        "--limit", "3", "--max-steps", str(rc.max_turns), "--max-new-tokens", str(rc.max_new_tokens),
+        "--max-episode-tokens", str(rc.max_episode_tokens), "--batch-size", str(rc.max_batch_size),
+        "--temperature", "1.0", "--seed", str(cfg.seed), "--measure-fidelity", "--out", str(out), "--quiet"]))
+    got = {k[1]: v for k, v in _items(out).items()}
+    assert set(got) == set(trainer)
+    for i, t in trainer.items():
+        c = got[i]
+        assert (c["score"], c["steps"], c["gen_tokens"], c["rehearsal_tokens"], c["real_calls"]) == \
+            (t.score, t.steps, t.gen_tokens, t.rehearsal_tokens, t.real_calls), i
+        assert c["extra"]["transcript"] == t.extra["transcript"], i
+        assert c["fidelity"] == t.fidelity, i
+    assert res["overall"] == pytest.approx(summary["success_after"])
+
+
+def test_trainer_eval_fails_loudly_when_no_task_could_run(tmp_path, monkeypatch):
+    """Every held-out environment refuses to start (a simulator that is not there): the trainer stops
+    with TrainingError naming the cause, instead of logging success 0.000."""
+    from fastrehearse.envs.builtin.suite import BuiltinEnv
+    from fastrehearse.train.config import load_config
+    from fastrehearse.train.loop import TrainingError, train
+
+    real_reset = BuiltinEnv.reset
+
+    def refuse(self, task):   # held-out tasks only (setup checks a training prompt's length)
+        if task.split == "test":
+            raise ConnectionRefusedError("[Errno 111] Connection refused")
+        return real_reset(self, task)
+
+    monkeypatch.setattr(BuiltinEnv, "reset", refuse)
+    cfg = load_config("configs/smoke.yaml", [f"run_dir={tmp_path / 'run'}", "steps=1", "sft.steps=0",
+                                             "eval.num_tasks=2"])
+    with pytest.raises(TrainingError, match="none of the 2 held-out tasks could run.*Connection refused"):
+        train(cfg)

@@ -15,7 +15,7 @@ An item that could not run -- its environment failed to start, its user simulato
 the engine or the policy raised, the checker raised, or its prompt alone exceeds the token budget
 -- is recorded as an error (score None), never as a score; a rerun retries it.
 
-Per-item seeds depend only on (seed, category, item id), so a result does not depend on the batch
+Per-item seeds depend only on (seed, task id), so a result does not depend on the batch
 size, the item order or which other items ran: the trainer's held-out number and `fastrehearse
 eval` give the same per-item numbers for the same checkpoint and seed.
 """
@@ -40,9 +40,10 @@ class HarnessConfig:
                                            # (a rerun resumes the rest)
 
 
-def item_seed(seed: int, category: str, item_id: str) -> int:
-    """A row seed from (seed, category, id) only: results never depend on batching or order."""
-    h = hashlib.sha256(f"{seed}\x00{category}\x00{item_id}".encode()).digest()
+def item_seed(seed: int, item_id: str) -> int:
+    """A row seed from (seed, task id) only: results never depend on batching, order or the name
+    the category was asked by (the trainer's split name, the CLI's category string)."""
+    h = hashlib.sha256(f"{seed}\x00{item_id}".encode()).digest()
     return int.from_bytes(h[:4], "little")
 
 
@@ -79,7 +80,7 @@ def run_items(
             env = None
             try:
                 env = make_env(cat)
-                live.append((cat, task, engine.prompt_for(task, env, item_seed(seed, cat, task.id))))
+                live.append((cat, task, engine.prompt_for(task, env, item_seed(seed, task.id))))
             except Exception as e:   # the environment could not start: an error, not a score
                 _close(env)
                 record(_error_item(cat, task, "reset: " + _err(e), t0))

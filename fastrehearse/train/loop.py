@@ -771,28 +771,47 @@ def rollout(run: Run, tasks, *, mode: str, temperature: float, seed: int, group_
 
 
 def evaluate(run: Run, *, tag: str) -> dict:
-    """Held-out success (eval.mode, greedy by default) and world-model fidelity, over all ranks."""
+    """Held-out success (eval.mode, greedy by default) and world-model fidelity, over all ranks,
+    computed by the evaluation code of `fastrehearse eval` (fastrehearse.eval.runner): the same
+    checkpoint, items, limits and seed give the same per-item numbers as
+    `fastrehearse eval --max-steps <rollout.max_turns> --max-new-tokens <rollout.max_new_tokens>
+    --max-episode-tokens <rollout.max_episode_tokens> --seed <seed>`. A task that could not run is
+    an error, never a 0; when none could run the eval (and the run) stops with TrainingError."""
+    from fastrehearse.eval.runner import EvalSettings, MemoryStore, evaluate_items
+    from fastrehearse.rollout.policy import ModelPolicy
+
     cfg, info = run.cfg, run.info
     if not run.eval_tasks:
         return {}
     mine = run.eval_tasks[info.rank::info.world_size]
     t0 = time.perf_counter()
-    eps, _, fail = rollout(run, mine, mode=cfg.eval.mode, temperature=cfg.eval.temperature,
-                           seed=10_000 + info.rank, group_size=1, measure_fidelity=False)
-    rewards = [e.reward for e in eps] + [0.0] * fail
-    fid = []
-    if cfg.eval.fidelity:
-        feps, _, _ = rollout(run, mine, mode="rehearse", temperature=cfg.eval.temperature,
-                             seed=20_000 + info.rank, group_size=1, measure_fidelity=True)
-        fid = [s["field_f1"] for e in feps for s in e.metadata.get("fidelity", [])]
-    parts = all_gather_object((rewards, fid), info)
-    rewards = [r for rs, _ in parts for r in rs]
-    fid = [f for _, fs in parts for f in fs]
-    out = {"success": sum(rewards) / len(rewards) if rewards else float("nan"), "n": len(rewards),
-           "fidelity": sum(fid) / len(fid) if fid else float("nan"), "fidelity_n": len(fid),
+    rc = cfg.rollout
+    settings = EvalSettings(
+        max_turns=rc.max_turns, max_new_tokens=rc.max_new_tokens, max_episode_tokens=rc.max_episode_tokens,
+        temperature=cfg.eval.temperature, top_p=rc.top_p, mode=cfg.eval.mode, batch_size=rc.max_batch_size,
+        seed=cfg.seed, fidelity=cfg.eval.fidelity,
+        engine_options={k: getattr(rc, k) for k in ("hybrid_p", "parallel_tool_calls", "on_malformed",
+                                                    "max_chunk", "rehearsal")})
+    run.gen_model.eval()
+    store = MemoryStore()
+    evaluate_items([(cfg.env.eval_split, t) for t in mine], lambda c: run.suite.make_env(), run.gen_model,
+                   run.tokenizer, ModelPolicy(), store, settings)
+    local = [(r.score, r.error, (r.fidelity or {}).get("field_f1"), int((r.fidelity or {}).get("calls", 0)))
+             for r in store.items()]
+    rows = [x for part in all_gather_object(local, info) for x in part]
+    scores = [s for s, e, _, _ in rows if e is None]
+    errors = [e for _, e, _, _ in rows if e is not None]
+    calls = sum(c for s, e, f, c in rows if e is None and f is not None)
+    f1 = sum(f * c for s, e, f, c in rows if e is None and f is not None)
+    out = {"success": sum(scores) / len(scores) if scores else float("nan"), "n": len(scores),
+           "errors": len(errors), "fidelity": f1 / calls if calls else float("nan"), "fidelity_n": calls,
            "seconds": round(time.perf_counter() - t0, 2)}
+    if not scores:
+        raise TrainingError(f"eval {tag}: none of the {len(rows)} held-out tasks could run "
+                            f"(first error: {errors[0] if errors else 'none'})")
     run.logger.write(f"eval {tag}: success {out['success']:.3f} on {out['n']} held-out tasks, "
-                     f"fidelity {out['fidelity']:.3f} ({out['fidelity_n']} rehearsed calls)")
+                     f"fidelity {out['fidelity']:.3f} ({out['fidelity_n']} rehearsed calls)"
+                     + (f"; {len(errors)} task(s) could not run (not scored): {errors[0]}" if errors else ""))
     return out
 
 
