@@ -216,6 +216,9 @@ def main(argv=None):
     p.add_argument("--shapes", type=str, nargs="+", default=None, help="HxV, e.g. 576x49152")
     p.add_argument("--methods", type=str, nargs="+", default=None, help="subset of names")
     p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--full-only", type=str, nargs="+", default=[],
+                   help="methods measured only at unmasked fraction 1.0 (e.g. the compiled one, "
+                        "whose compile per shape costs more than a timed run)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="input dtype (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--warmup", type=int, default=1)
@@ -258,6 +261,9 @@ def main(argv=None):
                     if factory is None:
                         skipped[name] = note
                         continue
+                    if name in args.full_only and frac != 1.0:
+                        skipped[name] = "measured at unmasked fraction 1.0 only (--full-only)"
+                        continue
                     if name in MASK_AGNOSTIC and (h, v, n, name) in agnostic:
                         row = dict(agnostic[(h, v, n, name)], frac=frac, n_unmasked=n_sel,
                                    note="reused: computes all rows whatever the mask")
@@ -298,7 +304,13 @@ def main(argv=None):
                           f"{fmt_bytes(mem)}", flush=True)
                 results = base_lp = None
                 del x, w, t, mask
-    # ratios to naive within each (shape, N, frac)
+                # after every configuration: a timeout later must not lose these numbers
+                save(path, rows, skipped, hw, dtype, rate, args, final=False)
+    save(path, rows, skipped, hw, dtype, rate, args, final=True)
+
+
+def save(path, rows, skipped, hw, dtype, rate, args, *, final):
+    """Ratios to naive, the JSON (every call) and, at the end, the table and the PNG."""
     for r in rows:
         base = next((b for b in rows if b["method"] == "naive" and
                      (b["H"], b["V"], b["N"], b["frac"]) == (r["H"], r["V"], r["N"], r["frac"])),
@@ -307,6 +319,18 @@ def main(argv=None):
             r["time_vs_naive"] = round(r["median_ms"] / base["median_ms"], 3)
             if r["peak_extra_bytes"] is not None and base["peak_extra_bytes"]:
                 r["mem_vs_naive"] = round(r["peak_extra_bytes"] / base["peak_extra_bytes"], 3)
+    cuda = str(hw.get("device", "")).startswith("cuda")
+    payload = {"benchmark": "bench_logprobs", "hardware": hw, "dtype": str(dtype),
+               "gemm_tflops": rate, "flops_counted": "6 * n_unmasked * H * V",
+               "memory": ("CUDA max_memory_allocated" if cuda else
+                          "peak RSS (VmHWM) above the RSS before the call")
+               + " (peak_extra_bytes); workspace_bytes = that minus the dX and dW gradients",
+               "load_avg_end": os.getloadavg(), "timing": "interleaved round-robin per config"
+               if args.interleave else "sequential per method", "argv": sys.argv[1:],
+               "complete": final, "rows": rows, "skipped": skipped}
+    write_json(path, payload)
+    if not final:
+        return
     table = [dict(r, shape=f"{r['H']}x{r['V']}", mem=fmt_bytes(r["peak_extra_bytes"]),
                   workspace=fmt_bytes(r["workspace_bytes"])) for r in rows]
     print_table(f"fwd+bwd log-prob, {dtype}, {hw.get('gpu') or hw['cpu']}", table,
@@ -314,14 +338,6 @@ def main(argv=None):
                  "floor_ratio", "time_vs_naive", "mem_vs_naive"])
     for name, note in skipped.items():
         print(f"skipped {name}: {note}")
-    payload = {"benchmark": "bench_logprobs", "hardware": hw, "dtype": str(dtype),
-               "gemm_tflops": rate, "flops_counted": "6 * n_unmasked * H * V",
-               "memory": ("CUDA max_memory_allocated" if cuda else
-                          "peak RSS (VmHWM) above the RSS before the call")
-               + " (peak_extra_bytes); workspace_bytes = that minus the dX and dW gradients",
-               "load_avg_end": os.getloadavg(), "timing": "interleaved round-robin per config" if args.interleave else
-               "sequential per method", "argv": sys.argv[1:], "rows": rows, "skipped": skipped}
-    write_json(path, payload)
     plot_by_config(path.with_suffix(".png"), rows,
                    title=f"linear log-prob fwd+bwd ({hw.get('gpu') or hw['cpu']})")
 

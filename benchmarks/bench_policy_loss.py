@@ -188,6 +188,13 @@ def main(argv=None):
                     print(f"  H={h} V={v} N={n} frac={frac} {name}: {ms:.1f} ms {fmt_bytes(mem)}",
                           flush=True)
                 del x, w, b
+                # after every configuration: a timeout later must not lose these numbers
+                save(path, rows, skipped, hw, dtype, args, final=False)
+    save(path, rows, skipped, hw, dtype, args, final=True)
+
+
+def save(path, rows, skipped, hw, dtype, args, *, final):
+    """Ratios to the unfused path, the JSON (every call) and, at the end, the table and PNG."""
     for r in rows:
         key = (r["H"], r["V"], r["N"], r["frac"])
         kind = "triton" if "triton" in r["method"] else "torch"
@@ -197,17 +204,20 @@ def main(argv=None):
             r["time_vs_unfused"] = round(r["median_ms"] / base["median_ms"], 3)
             if r["peak_extra_bytes"] is not None and base["peak_extra_bytes"]:
                 r["mem_vs_unfused"] = round(r["peak_extra_bytes"] / base["peak_extra_bytes"], 3)
+    write_json(path, {"benchmark": "bench_policy_loss", "hardware": hw, "dtype": str(dtype),
+                      "config": CFG.__dict__, "flops_counted": "6 * n_loss * H * V",
+                      "load_avg_end": os.getloadavg(), "argv": sys.argv[1:],
+                      "timing": "interleaved round-robin per config" if args.interleave else
+                      "sequential per method", "complete": final, "rows": rows,
+                      "skipped": skipped})
+    if not final:
+        return
     table = [dict(r, shape=f"{r['H']}x{r['V']}", mem=fmt_bytes(r["peak_extra_bytes"])) for r in rows]
     print_table(f"role-wise GRPO loss fwd+bwd, {dtype}, {hw.get('gpu') or hw['cpu']}", table,
                 ["shape", "N", "frac", "method", "median_ms", "mem", "tflops",
                  "time_vs_unfused", "mem_vs_unfused"])
     for name, note in skipped.items():
         print(f"skipped {name}: {note}")
-    write_json(path, {"benchmark": "bench_policy_loss", "hardware": hw, "dtype": str(dtype),
-                      "config": CFG.__dict__, "flops_counted": "6 * n_loss * H * V",
-                      "load_avg_end": os.getloadavg(), "argv": sys.argv[1:],
-                      "timing": "interleaved round-robin per config" if args.interleave else
-                      "sequential per method", "rows": rows, "skipped": skipped})
     plot_by_config(path.with_suffix(".png"), rows,
                    title=f"GRPO loss fwd+bwd ({hw.get('gpu') or hw['cpu']})")
 
