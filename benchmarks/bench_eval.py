@@ -71,6 +71,7 @@ JOBS = {
     "bfcl-multi-r2":         ("bfcl", MULTI, 2, None, "bfcl_multi", False, False),
     "tau2-r2":               ("tau2", None, 2, None, "tau2", False, False),
     # test-time rehearsal with --rehearsal-commit select (no memory in context; best of greedy + drafts)
+    "builtin-easy-s1":       ("builtin", EASY, 1, None, "easy", False, False, "select"),
     "builtin-easy-s2":       ("builtin", EASY, 2, None, "easy", False, False, "select"),
     "builtin-easy-s4":       ("builtin", EASY, 4, None, "easy", False, False, "select"),
     "builtin-easy-answer-s2": ("builtin", EASY_ANSWER, 2, None, "easy", False, True, "select"),
@@ -175,7 +176,7 @@ def row_from(tag: str, job_name: str, job: tuple, res: dict, out: Path) -> dict:
     return {
         "model": tag, "job": job_name, "suite": label + (f" [drift {res['drift']}]" if res["drift"] else ""),
         "rehearsal": n, "commit": job_commit(job), "n": res["n"], "overall": res["overall"],
-        "passed": sum(c["accuracy"] * c["n"] for c in res["categories"].values()),
+        "passed": sum((c["accuracy"] or 0) * c["n"] for c in res["categories"].values()),
         "bfcl_overall_strict": res.get("bfcl_overall_strict"),
         "gen_tokens": res["tokens"]["gen_per_item"], "rehearsal_tokens": res["tokens"]["rehearsal_per_item"],
         "prompt_tokens": res["tokens"]["prompt_per_item"],
@@ -313,7 +314,7 @@ def plot(rows: list[dict], tags: list[str], path: Path) -> None:
                 ns = [r["rehearsal"] for r in rs]
                 kw = dict(marker="o" if s == sweep_suites[0] else "s", linestyle=style, color=f"C{k}",
                           label=f"{t}, {s.split(' (')[0]} ({commit})")
-                a1.plot(ns, [100 * r["overall"] for r in rs], **kw)
+                a1.plot(ns, [100 * (r["overall"] or 0) for r in rs], **kw)
                 a2.plot(ns, [r["gen_tokens"] + r["rehearsal_tokens"] for r in rs], **kw)
     for a, yl in ((a1, "accuracy (%)"), (a2, "generated tokens / task (committed + rehearsal)")):
         a.set_xlabel("test-time rehearsal budget N")
@@ -331,7 +332,7 @@ def plot(rows: list[dict], tags: list[str], path: Path) -> None:
     w = 0.8 / max(1, len(tags))
     for k, t in enumerate(tags):
         xs = [i + (k - (len(tags) - 1) / 2) * w for i in range(len(jobs))]
-        ys = [100 * by[(t, j)]["overall"] if (t, j) in by else 0 for j in jobs]
+        ys = [100 * (by[(t, j)]["overall"] or 0) if (t, j) in by else 0 for j in jobs]
         a3.bar(xs, ys, w, label=t)
     a3.set_xticks(range(len(jobs)), jobs, rotation=40, ha="right", fontsize=7)
     a3.set_ylabel("accuracy (%)")
@@ -414,7 +415,8 @@ def main() -> int:
             wall = time.perf_counter() - t0
             record_invocation(out, (load0, os.getloadavg()[0]), wall, res.get("items_run_last_invocation", 0) > 0)
             rows.append(row_from(tag, name, job, res, out))
-            print(f"[{time.perf_counter() - t_start:6.0f}s] {tag} {name}: acc={res['overall']:.3f} n={res['n']} "
+            acc = "n/a" if res["overall"] is None else f"{res['overall']:.3f}"
+            print(f"[{time.perf_counter() - t_start:6.0f}s] {tag} {name}: acc={acc} n={res['n']} errors={res['errors']} "
                   f"({wall:.0f}s, load {load0:.1f}->{os.getloadavg()[0]:.1f})", flush=True)
     total = time.perf_counter() - t_start
     meta = {"hardware": {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,

@@ -1,10 +1,11 @@
 """BFCL v4 single-turn AST categories as a Suite, so the eval harness runs them like any benchmark.
 
-One task = one BFCL entry; the episode is one assistant turn; nothing is executed (the categories
-are graded on the calls themselves): `score` hands the turn to BFCL's `ast_checker` through
-fastrehearse.eval.bfcl_single. The model's raw text is graded when the policy kept it
-("raw_text"), so a malformed call block fails an AST entry and passes an irrelevance entry exactly
-as BFCL's own decoder would decide.
+One task = one BFCL entry; the episode is one assistant turn of the rollout engine; nothing is
+executed (the categories are graded on the calls themselves): `score` hands the turn to BFCL's
+`ast_checker` through fastrehearse.eval.bfcl_single. The model's raw text is graded (the engine
+keeps it as "raw_text"), so a malformed call block fails an AST entry and passes an irrelevance
+entry exactly as BFCL's own decoder would decide. A turn cut by the token limit leaves no message:
+AST entries then score 0, irrelevance entries 1 (no call was made).
 """
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ from fastrehearse.eval import bfcl_single
 
 
 class BfclSingleTurnEnv(ToolEnv):
-    grades_calls_only = True     # the harness ends the episode after one turn without executing
+    """Protocol (fastrehearse.envs.base): a single-turn task graded on the calls themselves
+    (`grades_calls_only`: the engine ends the episode after one agent turn and executes nothing;
+    `score` reads that turn's "raw_text"); one user turn, tools fixed at reset, no stop tool."""
+
+    grades_calls_only = True
 
     def __init__(self) -> None:
         self.entry: dict | None = None
