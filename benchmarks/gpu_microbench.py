@@ -1,0 +1,192 @@
+"""Per-piece GPU micro-benchmark of the kernels' CUDA path, each piece beside its roofline.
+
+    python benchmarks/gpu_microbench.py [--n 16384 --h 4096 --v 128256] [--json PATH]
+    python benchmarks/gpu_microbench.py --smoke          # CPU: code path only (Triton interpreter)
+
+What one chunk of `linear_logprobs` / `linear_policy_loss` runs, timed piece by piece (CUDA
+events through triton.testing.do_bench): the fp32-output logits GEMM, `_row_stats_kernel` and
+`_row_grad_kernel` at num_warps 4/8/16/32 (injected into the launch the code makes, so the
+block sizes are the code's), the dX GEMM and the dW addmm into the fp32 V x H accumulator; then
+the whole fwd+bwd of both entry points at chunk budgets of 256 MiB (the default) and 1 GiB.
+Every row prints the measured time, the roofline floor at the *measured* matmul rate and copy
+bandwidth (taken first), and benchmarks/roofline.py's prediction for the same piece at the
+stated H200 numbers. Also reports whether the fp32-output (`out_dtype`) GEMMs were used.
+The JSON is rewritten after every row, so a timeout keeps what was measured.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+if "--smoke" in sys.argv:                     # before triton is imported anywhere
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import roofline  # noqa: E402
+from _common import hardware  # noqa: E402
+
+from fastrehearse.kernels import PolicyLossConfig, linear_logprobs, linear_policy_loss  # noqa: E402
+from fastrehearse.kernels import _common as kc  # noqa: E402
+from fastrehearse.kernels import _rows  # noqa: E402
+
+
+def bench_ms(fn, dev, reps=20) -> float:
+    if dev.type == "cuda":
+        from triton.testing import do_bench
+        return float(do_bench(fn, warmup=5, rep=reps))       # rep: target ms of timed runs
+    fn()                                                     # smoke: one untimed call, then one
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+@contextlib.contextmanager
+def num_warps(kernel, nw: int):
+    """Launch `kernel` with num_warps=nw whatever the launch code passes (sweep)."""
+    orig = type(kernel).run
+
+    def run(*args, **kwargs):
+        kwargs["num_warps"] = nw
+        return orig(kernel, *args, **kwargs)
+    kernel.run = run
+    try:
+        yield
+    finally:
+        del kernel.run
+
+
+def measured_rates(dev) -> tuple[float, float]:
+    """(dense matmul TFLOP/s of an 8192^3 bf16 GEMM, copy TB/s counting read + write)."""
+    if dev.type != "cuda":
+        return roofline.DEVICES["h200"]["tflops"], roofline.DEVICES["h200"]["tbps"]
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    ms = bench_ms(lambda: a @ a, dev)
+    src = torch.empty(1 << 30, device=dev, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    ms_c = bench_ms(lambda: dst.copy_(src), dev)
+    return 2 * 8192 ** 3 / ms / 1e9, 2 * src.numel() / ms_c / 1e9
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=16384)
+    ap.add_argument("--h", type=int, default=4096)
+    ap.add_argument("--v", type=int, default=128256)
+    ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU, code path only")
+    ap.add_argument("--json", type=Path, default=None,
+                    help="default benchmarks/results/gpu_microbench_<gpu|cpu_smoke>.json")
+    a = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() and not a.smoke
+    if not cuda and not a.smoke:
+        raise SystemExit("no CUDA device: use --smoke for a CPU code-path check")
+    dev = torch.device("cuda" if cuda else "cpu")
+    if a.smoke:
+        a.n, a.h, a.v = 192, 32, 1000
+    dt = torch.bfloat16 if cuda else torch.float32
+    path = a.json or Path(__file__).resolve().parent / "results" / (
+        "gpu_microbench_gpu.json" if cuda else "gpu_microbench_cpu_smoke.json")
+    tflops, tbps = measured_rates(dev)
+    dev_model = dict(roofline.DEVICES["h200"])
+    out = {"benchmark": "gpu_microbench", "hardware": hardware(dev), "shape": [a.n, a.h, a.v],
+           "dtype": str(dt), "measured_matmul_tflops": tflops, "measured_copy_tbps": tbps,
+           "prediction_device": dev_model["name"], "smoke": a.smoke, "rows": []}
+    print(f"{out['hardware']}\nmeasured: {tflops:.0f} TFLOP/s bf16 matmul, {tbps:.2f} TB/s copy"
+          + (" (smoke: stated H200 numbers, nothing measured)" if not cuda else ""))
+
+    def row(name, ms, piece: roofline.Piece):
+        floor = max(piece.flops / (tflops * 1e12), piece.bytes / (tbps * 1e12)) * 1e3
+        pred = piece.ms(dev_model)
+        r = {"name": name, "ms": round(ms, 4), "floor_ms_measured_rates": round(floor, 4),
+             "predicted_ms_h200": round(pred, 4), "vs_floor": round(ms / floor, 2) if floor else None,
+             "tflops": round(piece.flops / ms / 1e9, 1) if piece.flops else None,
+             "tbps": round(piece.bytes / ms / 1e9, 3) if piece.bytes else None}
+        out["rows"].append(r)
+        print(f"{name:52s} {ms:9.3f} ms  floor {floor:8.3f}  predicted {pred:8.3f}  "
+              f"x{r['vs_floor']}", flush=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1) + "\n")     # after every row
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(a.n, a.h, device=dev, generator=g).to(dt)
+    w = (torch.randn(a.v, a.h, device=dev, generator=g) * a.h ** -0.5).to(dt)
+    t = torch.randint(0, a.v, (a.n,), device=dev, generator=g)
+    c = kc.chunk_rows(a.n, a.v, dev)
+    xc, tc = x[:c], t[:c]
+    z = kc.mm_f32(xc, w.t())
+    row(f"[C={c}] Z = X_c W^T (fp32 out)", bench_ms(lambda: kc.mm_f32(xc, w.t()), dev),
+        roofline.gemm("", c, a.v, a.h, out_bytes=4))
+    lse = _rows.row_stats_triton(z, tc, 1.0, False)[2]      # a real lse for the grad pass
+    g1 = torch.randn(c, device=dev)
+    dz = torch.empty(z.shape, device=dev, dtype=dt)
+    for nw in ((4, 8, 16, 32) if cuda else (4,)):
+        with num_warps(_rows._row_stats_kernel, nw):
+            row(f"[C={c}] _row_stats_kernel (entropy) warps={nw}",
+                bench_ms(lambda: _rows.row_stats_triton(z, tc, 1.0, True), dev),
+                roofline.passes("", c * a.v * 4))
+        with num_warps(_rows._row_grad_kernel, nw):
+            row(f"[C={c}] _row_grad_kernel (g1) warps={nw}",
+                bench_ms(lambda: _rows.row_grad_triton(z, tc, lse, None, g1, None, 1.0, out=dz),
+                         dev),
+                roofline.passes("", c * a.v * (4 + dz.element_size())))
+    dx = torch.empty_like(xc)
+    row(f"[C={c}] dX_c = dZ W", bench_ms(lambda: torch.mm(dz, w, out=dx), dev),
+        roofline.gemm("", c, a.h, a.v, a_bytes=dz.element_size()))
+    acc = torch.zeros(w.shape, device=dev, dtype=torch.float32)
+    row(f"[C={c}] dW += dZ^T X_c (fp32 V x H accumulator)",
+        bench_ms(lambda: kc.addmm_f32_(acc, dz.t(), xc), dev),
+        roofline.gemm("", a.v, a.h, c, out_bytes=4, accumulate=True))
+    out["out_dtype_float32_gemms"] = {k: bool(v) for k, v in
+                                      getattr(kc, "_OUT_DTYPE_OK", {}).items()}
+    print("fp32-output GEMMs (out_dtype=float32) used:", out["out_dtype_float32_gemms"]
+          or "not tried (fp32 inputs)")
+    del z, dz, acc, dx
+
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    roles = torch.randint(1, 3, (a.n,), device=dev)
+    adv, old = torch.randn(a.n, device=dev), torch.full((a.n,), -11.0, device=dev)
+    backend = "triton"
+    saved = kc.CHUNK_BYTES_CUDA
+    try:
+        for budget in ((256 << 20, 1 << 30) if cuda else (saved,)):
+            kc.CHUNK_BYTES_CUDA = roofline.CHUNK_BYTES_CUDA = budget
+            rows_c = kc.chunk_rows(a.n, a.v, torch.device("cuda"))
+
+            def lp_step():
+                xg.grad = wg.grad = None
+                lp, _ = linear_logprobs(xg, wg, t, backend=backend)
+                lp.sum().backward()
+
+            def pl_step():
+                xg.grad = wg.grad = None
+                linear_policy_loss(xg, wg, t, roles, adv, old, PolicyLossConfig(),
+                                   backend=backend, check_finite=False).loss.backward()
+            for name, fn, method, key in (
+                    ("linear_logprobs fwd+bwd", lp_step, "ours-logprobs", "row-chunked"),
+                    ("linear_policy_loss fused fwd+bwd", pl_step, "ours-fused-loss",
+                     "row-chunked")):
+                d = {"ours-logprobs": roofline.ours_logprobs,
+                     "ours-fused-loss": roofline.ours_fused_loss}[method](a.n, a.h, a.v, key,
+                                                                          1.5 * 2**30)
+                floor_flops = d.floor_nhv * a.n * a.h * a.v
+                ms = bench_ms(fn, dev, reps=200)
+                whole = roofline.Piece("", floor_flops, 0.0)
+                pred = sum(p.ms(dev_model) for p in d.pieces)
+                row(f"{name}, budget {budget >> 20} MiB ({rows_c} rows)", ms, whole)
+                out["rows"][-1]["predicted_ms_h200"] = round(pred, 3)
+                out["rows"][-1]["note"] = f"floor = {d.floor_nhv}NHV at the measured rate"
+    finally:
+        kc.CHUNK_BYTES_CUDA = roofline.CHUNK_BYTES_CUDA = saved
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
