@@ -215,3 +215,32 @@ def test_deadline_stops_new_items_and_rerun_resumes(tmp_path, tok):
     assert done == []
     _, done = _run(tok, GoldPolicy(), tasks, tmp_path, HarnessConfig(batch_size=1))
     assert len(done) == 3 and all("transcript" in r.extra for r in done)
+
+
+def test_cli_items_that_could_not_run_exit_1_are_reported_apart_and_retried(tmp_path, monkeypatch, capsys):
+    """Environments that refuse to start: exit 1, no accuracy (not 0%), the errors in their own
+    column and line; the rerun retries them and scores them."""
+    from fastrehearse.envs.builtin.suite import BuiltinEnv
+
+    real_reset = BuiltinEnv.reset
+
+    def refuse(self, task):
+        if task.id.endswith(("1", "3")):
+            raise ConnectionRefusedError("[Errno 111] Connection refused")
+        return real_reset(self, task)
+
+    out = tmp_path / "o"
+    argv = ["--suite", "builtin", "--policy", "gold", "--limit", "4", "--out", str(out), "--quiet"]
+    monkeypatch.setattr(BuiltinEnv, "reset", refuse)
+    assert cli.main(argv) == 1
+    assert "2 item(s) could not run" in capsys.readouterr().err
+    res = json.loads((out / "results.json").read_text())
+    c = res["categories"]["test"]
+    assert (c["n"], c["errors"], c["accuracy"], res["overall"], res["errors"]) == (2, 2, 1.0, 1.0, 2)
+    md = (out / "results.md").read_text()
+    assert "errors (not scored)" in md and "2 item(s) could not run" in md and "Connection refused" in md
+
+    monkeypatch.setattr(BuiltinEnv, "reset", real_reset)
+    assert cli.main(argv) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert (res["n"], res["errors"], res["overall"], res["items_run_last_invocation"]) == (4, 0, 1.0, 2)
