@@ -259,3 +259,13 @@ def test_head_with_bias_is_scored_or_refused():
     fr_trl.patch_fused_lm_head(model)
     out = model(input_ids=ids, labels=ids, fused_lm_head=True)
     torch.testing.assert_close(out.log_probs.double(), ref, rtol=0, atol=1e-5)
+
+
+def test_entropy_metric_off_gives_same_gradients(tmp_path):
+    base = tiny_model("llama", seed=5)
+    fast_a, g_a = train(fr_trl.FastGRPOTrainer, copy.deepcopy(base), tmp_path / "a")
+    fast_b, g_b = train(fr_trl.FastGRPOTrainer, copy.deepcopy(base), tmp_path / "b",
+                        extra={"entropy_metric": False})
+    assert_grads_equal(g_a, g_b)
+    assert all("entropy" in h for h in fast_a.state.log_history if "loss" in h)
+    assert not any("entropy" in h for h in fast_b.state.log_history)

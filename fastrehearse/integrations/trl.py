@@ -229,6 +229,7 @@ class _LossRequest:
     ref_logp: torch.Tensor | None     # [B, C] when beta != 0
     token_weights: torch.Tensor       # [B, C]: TRL's normalizer as a per-token factor
     config: PolicyLossConfig
+    with_entropy: bool = True         # for TRL's "entropy" metric (the bonus forces it on)
     out: object = None
 
     def run(self, last, head, tr):
@@ -244,11 +245,12 @@ class _LossRequest:
             out = linear_policy_loss(
                 x, w, self.completion_ids.reshape(-1), roles, flat(self.advantages),
                 flat(self.old_logp), self.config, ref_logp=flat(self.ref_logp),
-                token_weights=flat(self.token_weights), with_entropy=True, seq_ids=seq,
+                token_weights=flat(self.token_weights), with_entropy=self.with_entropy, seq_ids=seq,
                 **_head_kwargs(tr, head))
         self.out = out
-        return types.SimpleNamespace(loss=out.loss, log_probs=out.logp.view(b, c),
-                                     entropy=out.entropy.view(b, c))
+        return types.SimpleNamespace(
+            loss=out.loss, log_probs=out.logp.view(b, c),
+            entropy=None if out.entropy is None else out.entropy.view(b, c))
 
 
 def _grpo_trainer_class():
@@ -260,9 +262,11 @@ class _FastGRPOMixin:
     """Methods FastGRPOTrainer adds on top of trl.GRPOTrainer (see the module docstring)."""
 
     fused_loss: bool = True
+    entropy_metric: bool = True
 
-    def _fastrehearse_setup(self, fused_loss: bool) -> None:
+    def _fastrehearse_setup(self, fused_loss: bool, entropy_metric: bool) -> None:
         self.fused_loss = fused_loss
+        self.entropy_metric = entropy_metric
         self.fused_loss_calls = 0     # how many loss calls took the fused path (tests, benchmark)
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         self.head_transform = patch_fused_lm_head(base, self.temperature,
@@ -370,7 +374,8 @@ class _FastGRPOMixin:
             kl_coef=float(self.beta), kl_type="k3",
             kl_ratio=bool(self.beta != 0.0 and self.args.use_bias_correction_kl),
             entropy_coef=ent_coef, temperature=float(self.temperature))
-        req = _LossRequest(completion_ids, mask.bool(), adv.float(), old, ref, tw, cfg)
+        req = _LossRequest(completion_ids, mask.bool(), adv.float(), old, ref, tw, cfg,
+                           with_entropy=self.entropy_metric or ent_coef != 0.0)
         out = model(input_ids=input_ids, attention_mask=attention_mask, fused_lm_head=True,
                     fastrehearse_loss=req)
         self.fused_loss_calls += 1
@@ -414,7 +419,8 @@ class _FastGRPOMixin:
             kl = torch.exp(d) - d - 1
             m["kl"].append(global_masked_mean(kl * coef_1 if self.args.use_bias_correction_kl
                                               else kl))
-        m["entropy"].append(global_masked_mean(ent))
+        if ent is not None:
+            m["entropy"].append(global_masked_mean(ent))
         if self.loss_type == "cispo":
             m["cispo_clip_ratio"].append(global_masked_mean(
                 ((coef_1 > self.epsilon_high) & (adv > 0)).float()))
@@ -436,11 +442,14 @@ def _fast_grpo_class():
     class FastGRPOTrainer(_FastGRPOMixin, base):
         """trl.GRPOTrainer with fastrehearse's LM head and, where expressible, its fused loss.
 
-        `fused_loss=False` keeps TRL's own loss (on fastrehearse log-probs)."""
+        `fused_loss=False` keeps TRL's own loss (on fastrehearse log-probs).
+        `entropy_metric=False` skips the per-token entropy the fused loss computes only for
+        TRL's "entropy" log entry (faster; TRL's own loss path always computes it)."""
 
-        def __init__(self, *args, fused_loss: bool = True, **kwargs):
+        def __init__(self, *args, fused_loss: bool = True, entropy_metric: bool = True,
+                     **kwargs):
             super().__init__(*args, **kwargs)
-            self._fastrehearse_setup(fused_loss)
+            self._fastrehearse_setup(fused_loss, entropy_metric)
 
     FastGRPOTrainer.__module__ = __name__
     return FastGRPOTrainer
