@@ -3,15 +3,19 @@
     from fastrehearse.rollout import RolloutEngine, RolloutConfig
     engine = RolloutEngine(model, tokenizer, RolloutConfig(mode="hybrid", hybrid_p=0.3))
     result = engine.rollout(tasks, suite, group_size=4, seed=step)  # .episodes .trajectories .metrics
+    result = engine.rollout(tasks, suite, policy=GoldPolicy())      # who writes the agent's turns
 """
 from fastrehearse.rollout.backend import Generator, HFGenerator
 from fastrehearse.rollout.engine import (MODES, Prompt, RolloutConfig, RolloutEngine, RolloutResult)
 from fastrehearse.rollout.fidelity import aggregate as aggregate_fidelity
 from fastrehearse.rollout.fidelity import score_pair
+from fastrehearse.rollout.policy import GoldPolicy, ModelPolicy, Policy, ScriptedPolicy, Turn, TurnRequest
 from fastrehearse.rollout.template import ChatTemplate, Rendered, Scaffolding, format_tool_call
-from fastrehearse.rollout.toolcall import ERROR_KINDS, ParsedCall, ParseResult, parse_tool_calls
+from fastrehearse.rollout.toolcall import (ERROR_KINDS, ParsedCall, ParseResult, malformed_response,
+                                          parse_tool_calls)
 
 __all__ = ["RolloutEngine", "RolloutConfig", "RolloutResult", "Prompt", "MODES", "Generator",
            "HFGenerator", "ChatTemplate", "Rendered", "Scaffolding", "format_tool_call",
-           "parse_tool_calls", "ParsedCall", "ParseResult", "ERROR_KINDS", "score_pair",
-           "aggregate_fidelity"]
+           "parse_tool_calls", "ParsedCall", "ParseResult", "ERROR_KINDS", "malformed_response",
+           "score_pair", "aggregate_fidelity", "Policy", "Turn", "TurnRequest", "ModelPolicy",
+           "GoldPolicy", "ScriptedPolicy"]
