@@ -223,6 +223,26 @@ def test_suite_arguments():
     assert json.loads(json.dumps(gold)) == gold              # gold messages are plain JSON
 
 
+def test_split_grammar_and_one_line_errors():
+    """`<categories>[:train|:test]`: all four categories (multi_turn), comma lists, the fixed 80/20
+    hold-out (disjoint, every entry in exactly one part), round-robin interleaving under a limit;
+    a bad category or part is a one-line ValueError naming it and the allowed values."""
+    suite = BfclSuite(with_gold=False)
+    train, test = suite.tasks("multi_turn:train"), suite.tasks("multi_turn:test")
+    assert (len(train), len(test)) == (640, 160)
+    assert {t.id for t in train}.isdisjoint(t.id for t in test)
+    assert len({t.id for t in train} | {t.id for t in test}) == 800
+    assert [t.split for t in suite.tasks("multi_turn", limit=4)] == list(bfcl_compat.MULTI_TURN_CATEGORIES)
+    assert [t.id for t in suite.tasks("base,miss_param:test", limit=3)] == [
+        "multi_turn_base_4", "multi_turn_miss_param_4", "multi_turn_base_9"]
+    for bad, named in (("simple_python", "'simple_python'"), ("base:val", "'val'"),
+                       ("base,nope", "'nope'"), ("", "''")):
+        with pytest.raises(ValueError) as e:
+            suite.tasks(bad)
+        msg = str(e.value)
+        assert named in msg and "\n" not in msg and ("multi_turn_base" in msg or "train" in msg), msg
+
+
 def test_compat_shim():
     root = bfcl_compat.install_shim()
     assert os.environ["BFCL_PROJECT_ROOT"] == root and os.access(root, os.W_OK)
