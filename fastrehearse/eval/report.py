@@ -20,7 +20,7 @@ def results_markdown(res: dict[str, Any]) -> str:
     title = f"### {res['suite']} -- policy `{res['policy']}`"
     if res.get("rehearsal", {}).get("budget"):
         r = res["rehearsal"]
-        title += f", test-time rehearsal N={r['budget']} ({r['mode']})"
+        title += f", test-time rehearsal N={r['budget']} ({r.get('commit', 'memory')}, {r['mode']})"
     if res.get("drift"):
         title += f", drift `{res['drift']}`"
     has_fid = any("fidelity" in c for c in res["categories"].values())
