@@ -1,30 +1,42 @@
 #!/usr/bin/env bash
-# One-shot GPU check of the kernels: CUDA tests, then the kernel benchmarks at the issues' GPU
-# shapes, all inside a time budget. Run from the repo root on the GPU machine:
+# One-shot GPU check of the kernels and the trainer, inside an 8-minute budget. From the repo root
+# on the GPU machine (the device tool sets OUT):
 #
-#   OUT=/some/dir bash benchmarks/gpu_check.sh            # the real run (~6-8 min on an H200)
-#   bash benchmarks/gpu_check.sh --dry-run                # print the steps, run nothing (CPU ok)
+#   OUT=/some/dir bash benchmarks/gpu_check.sh          # the real run (<= 8 min on an H200)
+#   bash benchmarks/gpu_check.sh --dry-run              # print the steps, run nothing
+#   SMOKE=1 OUT=/tmp/x bash benchmarks/gpu_check.sh     # CPU: every step at tiny sizes (checks
+#                                                       # the script, imports and JSON writing)
 #
-# Writes into $OUT (at most 8 files, so the device tool returns them all):
-#   gpu_check.log, bench_logprobs_gpu.json/.png, bench_logprobs_gpu_shapes.json,
-#   bench_policy_loss_gpu.json/.png, bench_packing_gpu.json
-# and copies the JSON/PNG into benchmarks/results/ as well (that copy stays on the device;
-# fetch the $OUT files and commit them here). See docs/kernels.md "Running the GPU checks".
-#
-# Budget: every step has its own timeout and the script skips what would overrun
-# BUDGET_S (default 480 s), so the whole run stays under the device tool's 10-minute limit.
+# Order (most valuable first; a step that would start with < 20 s of budget left is skipped):
+#   1. gpu_microbench.py    per-piece times vs roofline, num_warps sweep (docs/gpu.md)
+#   2. pytest               tests/test_kernels_cuda.py + tests/test_model.py -k cuda
+#   3. bench_logprobs       H=4096 V=128256 N=16384 bf16, unmasked 1.0 / 0.25 (compile: 1.0 only)
+#   4. bench_policy_loss    same shape, fused / unfused (triton)
+#   5. bench_e2e_gpu.py     Qwen3-1.7B-shaped rollout + one RL step (1-rank FSDP2)
+#   6. bench_logprobs       the other shapes (576x49152, 2048x151936), N 4096 / 16384
+#   7. bench_policy_loss    Liger's chunked GRPO loss (torch.compile'd: its own step)
+#   8. bench_packing        --device cuda
+# Torch-backend methods ("ours (torch)", "fused/unfused (torch)") are not run on CUDA.
+# Every benchmark rewrites its JSON after each configuration, so a step's timeout keeps what it
+# measured. Files in $OUT (the device tool returns at most 8): gpu_check.log and the JSON of the
+# steps (PNGs are moved out; regenerate them from the JSON).
 set -u -o pipefail
 
 DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
+SMOKE=${SMOKE:-0}
 BUDGET_S=${BUDGET_S:-480}
 OUT=${OUT:-/tmp/gpu_check_out}
 PY=${PY:-python3}
-mkdir -p "$OUT" benchmarks/results
+mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
 : > "$LOG"
 T0=$(date +%s)
 export PYTHONUNBUFFERED=1
+# The repo root must not shadow the installed package: ./fastrehearse lacks the kernels subpackage
+# (setup.py maps kernels/ to fastrehearse.kernels), so neither the cwd nor a script's folder goes
+# on sys.path (the benchmarks add their own folder for _common explicitly).
+export PYTHONSAFEPATH=1
 
 say() { echo "[gpu_check +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
 
@@ -42,19 +54,38 @@ step() {
   return 0
 }
 
+# ---- sizes: the real run, or tiny ones on the CPU (SMOKE=1) -------------------------------------
+if [ "$SMOKE" = 1 ]; then
+  DEV=cpu; SHAPE=64x1000; NS="128"; SHAPES2="32x500"; NS2="64"; REPS=1
+  MB_ARGS="--smoke"; E2E_ARGS="--tiny"; PACK_ARGS="--episodes 16 --seeds 1 --budgets 8192 --thr-episodes 4 --thr-max-tokens 8192 --repeats 1"
+  LP_METHODS=(naive "F.linear_cross_entropy chunked" "ours (torch)")
+  PL_METHODS=("fused (torch)" "unfused (torch)")
+else
+  DEV=cuda; SHAPE=4096x128256; NS="16384"; SHAPES2="576x49152 2048x151936"; NS2="4096 16384"; REPS=5
+  MB_ARGS=""; E2E_ARGS=""; PACK_ARGS="--repeats 2"
+  LP_METHODS=(naive "torch.compile chunked" F.linear_cross_entropy "F.linear_cross_entropy chunked"
+              "liger FLCE" cut-cross-entropy "ours (triton)")
+  PL_METHODS=("fused (triton)" "unfused (triton)")
+fi
+
+LP_METHODS2=()   # the other shapes: no torch.compile (its compile per shape eats the budget)
+for m in "${LP_METHODS[@]}"; do [ "$m" = "torch.compile chunked" ] || LP_METHODS2+=("$m"); done
+
 # ---- 1. environment: the repo as fastrehearse(.kernels), optional peer wheels -------------------
 if [ "$DRY" = 0 ]; then
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv 2>&1 | tee -a "$LOG"
-  if ls .whl/*.whl >/dev/null 2>&1; then   # liger-kernel / cut-cross-entropy (see docs)
+  [ "$SMOKE" = 1 ] || nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm \
+      --format=csv 2>&1 | tee -a "$LOG"
+  if ls .whl/*.whl >/dev/null 2>&1; then   # liger-kernel / cut-cross-entropy (docs/gpu.md)
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl 2>&1 | tail -2 | tee -a "$LOG"
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   fi
   # setup.py maps kernels/ -> fastrehearse.kernels: an editable install gives exactly that;
-  # without pip/setuptools fall back to a shim package on PYTHONPATH.
-  if ! timeout 90 $PY -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 \
+  # without pip/setuptools (or FORCE_SHIM=1) a symlink package on PYTHONPATH does the same.
+  if [ "${FORCE_SHIM:-0}" = 1 ] \
+     || ! timeout 60 $PY -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 \
      || ! $PY -c "import fastrehearse.kernels" >>"$LOG" 2>&1; then
-    say "editable install failed: using a PYTHONPATH shim"
+    say "using a PYTHONPATH shim for fastrehearse (+ kernels)"
     SHIM=/tmp/fr_shim/fastrehearse
     rm -rf /tmp/fr_shim && mkdir -p "$SHIM"
     for f in fastrehearse/*; do ln -s "$PWD/$f" "$SHIM/"; done
@@ -73,32 +104,38 @@ for m in ("liger_kernel", "cut_cross_entropy", "transformers"):
 EOF
 fi
 
-# ---- 2. CUDA tests (compiled Triton, bf16, torch backend on CUDA; varlen attention) -------------
-step "pytest cuda" 150 $PY -m pytest -q -x -p no:cacheprovider tests/test_kernels_cuda.py \
-  tests/test_model.py -k "cuda"
+# ---- 2. steps -----------------------------------------------------------------------------------
+step "gpu_microbench" 100 $PY benchmarks/gpu_microbench.py $MB_ARGS \
+  --json "$OUT/gpu_microbench_gpu.json"
 
-# ---- 3. benchmarks ------------------------------------------------------------------------------
-# The issue-2 target shape first (H=4096, V=128256, N=16384, bf16; 1.0 / 0.5 / 0.25 unmasked).
-# "ours (torch)" (the fp32 CPU path) is left out on the GPU: ~1.5 s a run in fp32 GEMMs.
-step "bench_logprobs 4096x128256" 170 $PY benchmarks/bench_logprobs.py --device cuda \
-  --shapes 4096x128256 --n 16384 --fracs 1.0 0.5 0.25 --reps 10 \
-  --methods naive "torch.compile chunked" F.linear_cross_entropy "F.linear_cross_entropy chunked" \
-            "liger FLCE" cut-cross-entropy "ours (triton)" \
-  --json "$OUT/bench_logprobs_gpu.json"
-step "bench_policy_loss 4096x128256" 100 $PY benchmarks/bench_policy_loss.py --device cuda \
-  --shapes 4096x128256 --n 16384 --fracs 1.0 0.5 0.25 --reps 10 \
+step "pytest cuda" 120 $PY -m pytest -q -x -p no:cacheprovider tests/test_kernels_cuda.py \
+  tests/test_model.py -k cuda
+
+# shellcheck disable=SC2086  # NS/SHAPES2 are word lists on purpose
+step "bench_logprobs $SHAPE" 150 $PY benchmarks/bench_logprobs.py --device $DEV \
+  --shapes $SHAPE --n $NS --fracs 1.0 0.25 --reps $REPS --methods "${LP_METHODS[@]}" \
+  --full-only "torch.compile chunked" --json "$OUT/bench_logprobs_gpu.json"
+
+step "bench_policy_loss $SHAPE" 60 $PY benchmarks/bench_policy_loss.py --device $DEV \
+  --shapes $SHAPE --n $NS --fracs 1.0 0.25 --reps $REPS --methods "${PL_METHODS[@]}" \
   --json "$OUT/bench_policy_loss_gpu.json"
-# The other shapes of issue 2 (no torch.compile here: its compile time would eat the budget).
-step "bench_logprobs other shapes" 120 $PY benchmarks/bench_logprobs.py --device cuda \
-  --shapes 576x49152 2048x151936 --n 4096 16384 --fracs 1.0 0.25 --reps 5 \
-  --methods naive F.linear_cross_entropy "liger FLCE" cut-cross-entropy "ours (triton)" \
+
+step "bench_e2e_gpu" 120 $PY benchmarks/bench_e2e_gpu.py $E2E_ARGS --json "$OUT/bench_e2e_gpu.json"
+
+step "bench_logprobs other shapes" 80 $PY benchmarks/bench_logprobs.py --device $DEV \
+  --shapes $SHAPES2 --n $NS2 --fracs 1.0 0.25 --reps 3 \
+  --methods "${LP_METHODS2[@]}" \
   --json "$OUT/bench_logprobs_gpu_shapes.json"
-step "bench_packing cuda" 60 $PY benchmarks/bench_packing.py --device cuda --repeats 2 \
+
+[ "$SMOKE" = 1 ] || step "liger chunked GRPO $SHAPE" 60 $PY benchmarks/bench_policy_loss.py \
+  --device $DEV --shapes $SHAPE --n $NS --fracs 1.0 --reps 3 --methods "liger chunked GRPO" \
+  --json "$OUT/bench_policy_loss_liger_gpu.json"
+
+step "bench_packing" 60 $PY benchmarks/bench_packing.py --device $DEV $PACK_ARGS \
   --json "$OUT/bench_packing_gpu.json" --png /tmp/bench_packing_gpu.png
 
 if [ "$DRY" = 0 ]; then
-  cp -f "$OUT"/bench_*_gpu*.json "$OUT"/bench_*_gpu*.png benchmarks/results/ 2>/dev/null
-  rm -f "$OUT"/bench_logprobs_gpu_shapes.png    # keep $OUT at <= 8 files
+  mkdir -p /tmp/gpu_check_png && mv -f "$OUT"/*.png /tmp/gpu_check_png/ 2>/dev/null
   ls -la "$OUT" | tee -a "$LOG"
 fi
 say "done in $(( $(date +%s) - T0 ))s (budget ${BUDGET_S}s)"
