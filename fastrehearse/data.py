@@ -27,6 +27,9 @@ class Episode:
     role_rewards: dict[int, float] = field(default_factory=dict)
     # Optional per-token advantages, filled by fastrehearse.algo (None until then).
     advantages: list[float] | None = None
+    # The engine's record (fastrehearse/rollout/engine.py): stop_reason, turns, user_turns, calls,
+    # malformed, prompt_tokens, fidelity, seed, group/sample; when present: tools_changed, policy,
+    # drift, error (the episode could not run or be scored to its end: its reward is not a result).
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -171,3 +171,34 @@ def test_protocol_defaults_and_type_check():
 def test_unknown_suite_is_a_one_line_error():
     with pytest.raises(ValueError, match=r"unknown suite 'nope'; available: \['bfcl', 'builtin', 'tau2'\]"):
         get_suite("nope")
+
+
+def test_policy_may_rehearse_privately_with_the_same_engine():
+    """A policy that runs engine.generate() on a private prompt (no env) inside begin_turns -- the
+    shape of test-time rehearsal -- leaves the outer episode intact: the outer policy keeps being
+    asked, the env is never touched by the rehearsal, the private row only rehearses."""
+    from fastrehearse.model import load_model
+    from fastrehearse.rollout.engine import Prompt
+    model, tok = load_model("tiny-llama")
+    tmpl = ChatTemplate(tok)
+    eng = RolloutEngine(model, tok, RolloutConfig(mode="real", max_new_tokens=4, max_turns=2), template=tmpl)
+    envs, private = [], []
+
+    def make():
+        envs.append(MultiTurnCalcEnv())
+        return envs[-1]
+
+    def script(req):
+        res = eng.generate([Prompt(req.input_ids, req.roles, req.tools, seed=req.seed)])
+        private.append(res.episodes[0])
+        return ["<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 2, \"b\": 3}}\n</tool_call>",
+                "It is 5."][req.turn]
+    one_turn = Task("mt-3", "test", {"question": "Add 2 and 3.", "answer": "5"})
+    res = eng.rollout([one_turn], make, policy=ScriptedPolicy(script))
+    ep = res.episodes[0]
+    assert ep.metadata["turns"] == 2 and ep.reward == 1.0 and res.metrics["forced_turns"] == 2
+    assert len(private) == 2 and all(p.metadata["calls"] == [] or
+                                     {c["mode"] for c in p.metadata["calls"]} <= {"rehearse", "error"}
+                                     for p in private)
+    assert len(envs) == 1 and [c.name for c in envs[0].calls] == ["add"]   # only the outer real call
+    assert eng.policy is None

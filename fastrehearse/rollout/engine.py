@@ -572,8 +572,10 @@ class RolloutEngine:
                 raise ValueError(f"prompts[{i}]: input_ids must be non-empty and match roles")
         t0 = time.perf_counter()
         stats = Counter()
-        self._env_errors = Counter()
-        self.policy = policy
+        # Reentrant: a policy may call generate() on this engine for private rehearsals while an
+        # outer generate() waits for its answer; the outer call's policy and counters come back.
+        outer = (self.policy, self._env_errors)
+        self.policy, self._env_errors = policy, Counter()
         try:
             rows = [_Row(self, i, p) for i, p in enumerate(prompts)]
             bs = self.config.max_batch_size
@@ -581,11 +583,11 @@ class RolloutEngine:
                 batch = rows[s:s + bs]
                 self._resolve_turns(batch, stats)
                 self._decode([r for r in batch if not r.done], stats)
+            episodes = [r.episode() for r in rows]
+            wall = time.perf_counter() - t0
+            return RolloutResult(episodes, [r.traj for r in rows], self._metrics(rows, episodes, stats, wall))
         finally:
-            self.policy = None
-        episodes = [r.episode() for r in rows]
-        wall = time.perf_counter() - t0
-        return RolloutResult(episodes, [r.traj for r in rows], self._metrics(rows, episodes, stats, wall))
+            self.policy, self._env_errors = outer
 
     # -- the decode loop ---------------------------------------------------------------------------
     def _resolve_turns(self, rows: list[_Row], stats: Counter) -> None:
