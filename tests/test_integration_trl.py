@@ -269,3 +269,20 @@ def test_entropy_metric_off_gives_same_gradients(tmp_path):
     assert_grads_equal(g_a, g_b)
     assert all("entropy" in h for h in fast_a.state.log_history if "loss" in h)
     assert not any("entropy" in h for h in fast_b.state.log_history)
+
+
+def test_head_check_in_bfloat16():
+    """bf16 models: the head check neither refuses a correctly described head (Gemma2 softcap)
+    nor accepts an unannounced softcap (a custom forward applying one)."""
+    fr_trl.patch_fused_lm_head(tiny_model("gemma2", head_std=2.0).to(torch.bfloat16))
+    model = tiny_model("llama", head_std=2.0).to(torch.bfloat16)
+    orig = model.forward
+
+    def capped(*a, **k):
+        out = orig(*a, **k)
+        out.logits = 30.0 * torch.tanh(out.logits / 30.0)
+        return out
+
+    model.forward = capped
+    with pytest.raises(fr_trl.UnsupportedModelError, match="differ"):
+        fr_trl.patch_fused_lm_head(model)
