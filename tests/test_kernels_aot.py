@@ -309,7 +309,9 @@ def run_all(report_path: Path | None = None) -> dict:
             if key not in by_key:
                 by_key[key] = compile_one(rec, target, backend)
                 by_key[key]["shapes"] = []
-            by_key[key]["shapes"].append(dict(rec["shape"], grid=list(rec["grid"])))
+            launch = dict(rec["shape"], grid=list(rec["grid"]))
+            if launch not in by_key[key]["shapes"]:
+                by_key[key]["shapes"].append(launch)
         except Exception as e:   # every failure is reported, one line each
             out["errors"].setdefault(rec["kernel"], f"{type(e).__name__}: {str(e)[:600]}")
     out["compiled"] = list(by_key.values())
