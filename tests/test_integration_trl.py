@@ -286,3 +286,28 @@ def test_head_check_in_bfloat16():
     model.forward = capped
     with pytest.raises(fr_trl.UnsupportedModelError, match="differ"):
         fr_trl.patch_fused_lm_head(model)
+
+
+def test_autocast_hidden_dtype_differs_from_head():
+    """A bf16 model with an fp32 head (what TRL's cast_lm_head_to_fp32 makes), under bf16
+    autocast: bf16 hidden states, fp32 weight. The head runs outside autocast at the weight's
+    precision, exactly (against float64)."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    head = model.lm_head = model.lm_head.float()           # as GRPOTrainer's cast does
+    head.forward = lambda h: torch.nn.functional.linear(h.float(), head.weight, head.bias)
+    fr_trl.patch_fused_lm_head(model, temperature=0.8, outputs=("log_probs", "entropy"))
+    ids = torch.randint(3, 63, (2, 9))
+    labels = ids.clone()
+    labels[0, :4] = -100
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+        h = model.model(input_ids=ids).last_hidden_state[:, :-1]
+    assert h.dtype == torch.bfloat16 and out.log_probs.dtype == torch.float32
+    z = h.double() @ model.lm_head.weight.double().t() / 0.8
+    ref = torch.log_softmax(z, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    on = labels[:, 1:] != -100
+    torch.testing.assert_close(out.log_probs.double()[on], ref[on], rtol=0, atol=1e-5)
+    assert (out.log_probs[~on] == 0).all() and (out.entropy[~on] == 0).all()
+    out.log_probs.sum().backward()
+    assert model.lm_head.weight.grad.dtype == torch.float32
+    assert model.model.norm.weight.grad.dtype == torch.bfloat16
