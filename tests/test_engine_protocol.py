@@ -202,3 +202,31 @@ def test_policy_may_rehearse_privately_with_the_same_engine():
                                      for p in private)
     assert len(envs) == 1 and [c.name for c in envs[0].calls] == ["add"]   # only the outer real call
     assert eng.policy is None
+
+
+def test_cut_turns_close_as_written_or_end_the_episode():
+    """on_max_new_tokens="end_turn" (default): an agent turn cut at max_new_tokens is the reply as
+    written (the end-of-turn marker forced as CONTEXT), so a multi-turn task walks on through its
+    user turns; "end_episode" stops there."""
+    from fastrehearse.model import load_model
+    model, tok = load_model("tiny-llama")
+    tmpl = ChatTemplate(tok)
+    end = tmpl.encode(tmpl.assistant_end_markers[0])
+    for how in ("end_turn", "end_episode"):
+        eng = RolloutEngine(model, tok, RolloutConfig(mode="real", max_new_tokens=3, on_max_new_tokens=how),
+                            template=tmpl)
+        res = eng.rollout([TASK], MultiTurnCalcEnv, seed=1)
+        ep, traj = res.episodes[0], res.trajectories[0]
+        if how == "end_episode":
+            assert ep.metadata["stop_reason"] == "max_new_tokens" and ep.metadata["turns"] == 0
+            continue
+        assert ep.metadata["stop_reason"] == "final_answer" and ep.metadata["user_turns"] == 2
+        assert ep.metadata["cut_turns"] == 3 == res.metrics["cut_turns"]
+        replies = [m for m in traj.messages if m["role"] == "assistant"]
+        assert len(replies) == 3 and all(m["cut"] == "max_new_tokens" for m in replies)
+        # after each cut reply: 3 sampled ACT tokens, then the forced end-of-turn as CONTEXT
+        acts = [i for i, r in enumerate(ep.roles) if r == Role.ACT]
+        assert len(acts) == 9
+        for k in (2, 5):
+            i = acts[k] + 1
+            assert ep.input_ids[i:i + len(end)] == end and set(ep.roles[i:i + len(end)]) == {int(Role.CONTEXT)}

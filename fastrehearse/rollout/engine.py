@@ -56,6 +56,7 @@ from fastrehearse.rollout.toolcall import ParsedCall, malformed_response, parse_
 
 MODES = ("rehearse", "real", "hybrid")
 MALFORMED_OUTCOMES = ("error_response", "end_episode")
+CUT_OUTCOMES = ("end_turn", "end_episode")
 REHEARSALS = ("inline", "separate")
 
 # logits_processor(contexts, context_roles, sample_roles, logits) -> logits: contexts[i] / context_roles[i]
@@ -77,6 +78,10 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 128           # per generated turn (policy turn or rehearsed response)
+    on_max_new_tokens: str = "end_turn"  # a turn cut by max_new_tokens: "end_turn" closes it as
+                                        # written (the template's end-of-turn forced as CONTEXT; a
+                                        # cut agent turn is parsed like any other, as BFCL's runner
+                                        # takes a cut output as the reply) or "end_episode"
     max_turns: int = 6                  # policy turns per user turn (the counter restarts at each
                                         # user turn; one-user-turn tasks: per episode). The eval's
                                         # old name for it was max_steps: max_turns is canonical.
@@ -95,6 +100,7 @@ class RolloutConfig:
                 raise ValueError(f"RolloutConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         choice("mode", MODES)
         choice("on_malformed", MALFORMED_OUTCOMES)
+        choice("on_max_new_tokens", CUT_OUTCOMES)
         choice("rehearsal", REHEARSALS)
         if not 0.0 <= self.hybrid_p <= 1.0:
             raise ValueError(f"RolloutConfig.hybrid_p must be in [0, 1], got {self.hybrid_p}")
@@ -149,6 +155,7 @@ class _Row:
         self.turn_steps = 0                           # policy turns since the last user turn
         self.user_turns = 0                           # user turns added after the prompt
         self.awaiting_turn = False                    # the policy must say who writes this turn
+        self.cut_turns = 0                            # turns closed at max_new_tokens
         self.turn_context: str | None = None          # CONTEXT the policy put before this turn
         self.stop_reason = ""
         self.error: str | None = None                 # the episode could not run to its end
@@ -250,16 +257,15 @@ class _Row:
         self.head_sampled = True  # pending[0] is this sampled token (pending was empty)
         marker = self._stop_marker()
         seg_len = len(self.ids) - self.seg_start
-        if self.phase == "act":
-            if marker is not None:
-                self._end_policy_turn(marker)
-            elif seg_len >= self.cfg.max_new_tokens:
-                self._finish("max_new_tokens")
-        elif self.phase == "tool":
-            if marker is not None:
-                self._end_rehearsed_response(marker)
-            elif seg_len >= self.cfg.max_new_tokens:
-                self._finish("max_new_tokens")
+        cut = marker is None and seg_len >= self.cfg.max_new_tokens
+        if cut and self.cfg.on_max_new_tokens == "end_episode":
+            self._finish("max_new_tokens")
+        elif self.phase == "act" and (marker is not None or cut):
+            self.cut_turns += int(cut)
+            self._end_policy_turn(marker)
+        elif self.phase == "tool" and (marker is not None or cut):
+            self.cut_turns += int(cut)
+            self._end_rehearsed_response(marker)
         if not self.done and self._room() <= 0:
             self._finish("max_episode_tokens")
 
@@ -283,9 +289,10 @@ class _Row:
         return None
 
     # -- turn transitions --------------------------------------------------------------------
-    def _end_policy_turn(self, marker: str) -> None:
+    def _end_policy_turn(self, marker: str | None) -> None:
+        """The agent's turn ended at `marker` (None: cut by max_new_tokens, closed as written)."""
         text = self._segment_text()
-        cut = text.rfind(marker)
+        cut = text.rfind(marker) if marker else -1
         turn = text[:cut] if cut >= 0 and marker != TOOL_CALL_CLOSE else text
         env = self.env
         graded_only = env is not None and env.grades_calls_only
@@ -299,6 +306,8 @@ class _Row:
                                "raw_text": turn}
         if self.turn_context is not None:
             msg["context"] = self.turn_context
+        if marker is None:
+            msg["cut"] = "max_new_tokens"
         ok_calls = [c for c in parsed.calls if c.ok]
         if ok_calls:
             msg["tool_calls"] = [{"type": "function", "function": {"name": c.call.name,
@@ -456,6 +465,7 @@ class _Row:
         if self.malformed and self.cfg.malformed_reward is not None:
             reward = float(self.cfg.malformed_reward)
         meta = {"stop_reason": self.stop_reason, "turns": self.turns, "user_turns": self.user_turns,
+                "cut_turns": self.cut_turns,
                 "calls": self.call_log, "malformed": dict(self.malformed), "seed": self.p.seed,
                 "prompt_tokens": len(self.p.input_ids),
                 "fidelity": [vars(s) for s in self.fidelity]}  # JSON-friendly; trajectories are
@@ -727,6 +737,7 @@ class RolloutEngine:
             "env_errors": dict(self._env_errors),
             "stop_reasons": dict(stops),
             "user_turns": sum(r.user_turns for r in rows),   # user turns added after the prompts
+            "cut_turns": sum(r.cut_turns for r in rows),     # turns closed at max_new_tokens
             "forced_turns": stats["forced_turns"],           # agent turns a policy forced
             "errors": errors,                                # episodes that could not run / score
             "mean_reward": sum(e.reward for e in episodes) / len(episodes) if episodes else 0.0,
