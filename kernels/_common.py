@@ -108,6 +108,53 @@ def vocab_block(rows: int, v: int, device: torch.device) -> int:
     return max(1, min(cols, v))
 
 
+# Vocabulary-outer backward of the row-chunked path (Triton backend; LM-head variants on the torch
+# backend): the workspace it may use besides the dX / dW it returns. GPU: at N=16384, H=4096 the
+# fp32 dX accumulator takes 256 MiB and the rest holds [N, V_b] logit blocks of 8192 columns
+# (bf16 dZ), 16 blocks at V=128256. CPU: small enough to stay in the spirit of the 32 MiB chunks.
+WORKSPACE_BYTES_CUDA = 1 << 30
+WORKSPACE_BYTES_CPU = 64 << 20
+
+
+def grad_dtype(w: torch.Tensor) -> torch.dtype:
+    """dtype of dZ, the operand of the dX / dW GEMMs: the weight's on CUDA (tensor cores, fp32
+    results), fp32 on the CPU (mm_f32 upcasts anyway, so fp32 avoids a rounding step)."""
+    return w.dtype if w.is_cuda else torch.float32
+
+
+def check_workspace_bytes(workspace_bytes) -> int | None:
+    if workspace_bytes is None:
+        return None
+    if isinstance(workspace_bytes, bool) or not isinstance(workspace_bytes, int) \
+            or workspace_bytes < 1:
+        raise ValueError(f"workspace_bytes must be a positive int (bytes) or None, "
+                         f"got {workspace_bytes!r}")
+    return workspace_bytes
+
+
+def vocab_outer_plan(n: int, h: int, v: int, device: torch.device, *, block_elem_bytes: int,
+                     workspace_bytes: int | None = None, rows: int | None = None):
+    """(rows per row group R, vocabulary columns per block V_b) of the vocabulary-outer backward.
+
+    Workspace = fp32 dX accumulator [R, H] + per block an [R, V_b] set of buffers of
+    `block_elem_bytes` per element (fp32 logits, dZ, the pre-cap logits with a soft-cap) + an
+    fp32 [V_b, H] dW block. R = all rows when their dX accumulator fits half the budget (then each
+    dW block is written exactly once); `rows` (the caller's chunk_size) overrides R.
+    """
+    budget = workspace_bytes or (WORKSPACE_BYTES_CUDA if device.type == "cuda"
+                                 else WORKSPACE_BYTES_CPU)
+    if rows is None:
+        rows = n if n * h * 4 <= budget // 2 else (budget // 2) // (h * 4)
+        if rows >= 128:
+            rows -= rows % 64
+    rows = max(1, min(int(rows), max(n, 1)))
+    left = max(0, budget - rows * h * 4)
+    cols = left // (rows * block_elem_bytes + h * 4)
+    if cols >= 256:
+        cols -= cols % 128      # GEMM-friendly block widths
+    return rows, max(16, min(int(cols), v))
+
+
 def _is_dtensor(t) -> bool:
     return any(c.__name__ == "DTensor" for c in type(t).__mro__)
 

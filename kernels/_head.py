@@ -75,6 +75,13 @@ class HeadTransform:
         self.softcap = softcap
         self.scale = float(scale)
 
+    def cols(self, v0: int, v1: int) -> "HeadTransform":
+        """The transform of vocabulary columns [v0, v1) (the bias sliced; scale and cap shared)."""
+        out = HeadTransform.__new__(HeadTransform)
+        out.__dict__.update(self.__dict__)
+        out.bias = None if self.bias is None else self.bias[v0:v1]
+        return out
+
     @property
     def needs_pre(self) -> bool:
         """The backward needs the pre-transform logits z (only the tanh's derivative does)."""

@@ -46,7 +46,9 @@ def row_stats_torch(z, t, inv_temp: float, with_entropy: bool):
 
 def row_grad_torch(z, t, lse, ent, g1, g2, inv_temp: float, out=None):
     """dL/dz for one chunk. z fp32 [C, V] is scratch (overwritten); the result is returned,
-    copied into `out` when that is a different buffer. g1/g2: fp32 [C] or None.
+    copied into `out` when that is a different buffer. g1/g2: fp32 [C] or None. z may be a
+    vocabulary block: t is then relative to its first column, and rows whose target lies
+    outside [0, V) get no one-hot term (as in the Triton kernel).
 
     Written as few full passes over the chunk as possible (this is the CPU hot loop).
     """
@@ -58,8 +60,11 @@ def row_grad_torch(z, t, lse, ent, g1, g2, inv_temp: float, out=None):
         dz = p.mul_(logq.mul_(-g2.view(-1, 1)).sub_(off.view(-1, 1)))
     else:
         dz = logq.exp_().mul_(-g1.view(-1, 1))
-    if g1 is not None:
-        dz.scatter_add_(1, t.view(-1, 1), g1.view(-1, 1))
+    if g1 is not None:   # a target outside [0, V) (another vocabulary block's) adds no one-hot
+        v = dz.shape[1]
+        inb = (t >= 0) & (t < v)
+        dz.scatter_add_(1, t.clamp(0, v - 1).view(-1, 1),
+                        torch.where(inb, g1, torch.zeros_like(g1)).view(-1, 1))
     if inv_temp != 1.0:
         dz.mul_(inv_temp)
     if out is None or out.data_ptr() == dz.data_ptr() or out.data_ptr() == z.data_ptr():

@@ -10,8 +10,11 @@ Algorithm (see docs/kernels.md):
 1. compact: only rows with mask[i] = True enter the projection (masked rows cost nothing);
 2. chunk the compacted rows so one fp32 [C, V] logits block fits a byte budget;
    forward per chunk: Z = X_c W^T (GEMM, fp32 result) -> row stats (lse, logp, entropy);
-3. backward per chunk: recompute Z, overwrite it with dZ = dL/dZ (row kernel), then
-   dX_c = dZ W and dW += dZ^T X_c into an fp32 accumulator.
+3. backward, vocabulary-outer (_vocab_outer.py): per row group (all rows when the workspace
+   budget allows) and vocabulary block, recompute Z_b, dZ_b = dL/dZ_b (row kernel), then
+   dX_acc += dZ_b W_b (fp32 [R, H]) and dW_b = dZ_b^T X (K = R: each dW block written once,
+   no V x H fp32 read-modify-write). The torch backend without head variants instead runs the
+   vocabulary-blocked code of _blocked.py (same loop order, CPU-tuned).
 Forward 2NHV FLOPs, backward 6NHV (recompute + two GEMMs): upstream gradients are arbitrary, so
 dZ cannot be formed in the forward. `linear_policy_loss` knows its gradient early and does 6NHV.
 """
@@ -21,17 +24,15 @@ import torch
 
 from ._blocked import blocked_backward, blocked_stats
 from ._common import (addmm_f32_, check_linear_inputs, check_targets, check_temperature,
-                      chunk_rows, mm_f32, resolve_backend, torch_block_rows)
+                      check_workspace_bytes, chunk_rows, grad_dtype, mm_f32, resolve_backend,
+                      torch_block_rows, vocab_outer_plan)
 from ._head import build_head
 from ._rowmath import row_grad, row_stats
+from ._vocab_outer import block_elem_bytes, vocab_outer_backward
 
 __all__ = ["linear_logprobs"]
 
-
-def _grad_dtype(w: torch.Tensor) -> torch.dtype:
-    # dZ feeds the dX / dW GEMMs: keep it in the weight's dtype on CUDA (tensor cores);
-    # on CPU mm_f32 upcasts anyway, so fp32 avoids a rounding step.
-    return w.dtype if w.is_cuda else torch.float32
+_grad_dtype = grad_dtype   # the name tests/test_kernels_aot.py's launch recipes import
 
 
 def chunk_grad(x_c, w, z, t_c, lse_c, ent_c, g1_c, g2_c, inv_temp, backend, dx_out, dw_acc,
@@ -43,7 +44,7 @@ def chunk_grad(x_c, w, z, t_c, lse_c, ent_c, g1_c, g2_c, inv_temp, backend, dx_o
     dX_c is written into `dx_out` (a [C, H] view, or None); dZ^T X_c is added to the fp32
     accumulator `dw_acc` (or None). g1_c = dL/dlogp, g2_c = dL/dH (fp32 [C] or None).
     """
-    gdt = _grad_dtype(w)
+    gdt = grad_dtype(w)
     if head is None:
         out = z if gdt == torch.float32 else torch.empty(z.shape, device=z.device, dtype=gdt)
         dz = row_grad(z, t_c, lse_c, ent_c, g1_c, g2_c, inv_temp, backend, out=out)
@@ -74,26 +75,6 @@ def head_logits(x_c, w, head, backend):
     return head.forward(z, backend), None
 
 
-def chunked_backward(x, w, t, lse, ent, g1, g2, inv_temp, backend, chunk, need_dx, need_dw,
-                     head=None, need_db=False):
-    """Backward sweep of the row-chunked path: (dX in x.dtype or None, dW fp32 or None, db fp32
-    or None). g1 = dL/dlogp [n] fp32 or None, g2 = dL/dH [n] fp32 or None (not both None).
-    """
-    n = x.shape[0]
-    dx = torch.empty_like(x) if need_dx else None
-    dw = torch.zeros(w.shape, device=w.device, dtype=torch.float32) if need_dw else None
-    db = torch.zeros(w.shape[0], device=w.device, dtype=torch.float32) if need_db else None
-    for s in range(0, n, chunk):
-        e = min(n, s + chunk)
-        x_c = x[s:e]
-        z, z_pre = head_logits(x_c, w, head, backend)
-        chunk_grad(x_c, w, z, t[s:e], lse[s:e], None if ent is None else ent[s:e],
-                   None if g1 is None else g1[s:e], None if g2 is None else g2[s:e],
-                   inv_temp, backend, None if dx is None else dx[s:e], dw, head, z_pre, db)
-        del z, z_pre
-    return dx, dw, db
-
-
 class _LinearLogprobs(torch.autograd.Function):
     """Compacted rows in, per-row (logp, entropy) out. Entropy output is empty when unused.
 
@@ -102,7 +83,7 @@ class _LinearLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, b, t, inv_temp, with_entropy, backend, chunk, head):
+    def forward(ctx, x, w, b, t, inv_temp, with_entropy, backend, chunk, head, bwd_rows, ws_bytes):
         if backend == "torch" and head is None:
             logp, ent, lse = blocked_stats(x, w, t, inv_temp, with_entropy, chunk)
             if ent is None:
@@ -111,7 +92,7 @@ class _LinearLogprobs(torch.autograd.Function):
             logp, lse, ent = _row_chunked_stats(x, w, t, inv_temp, with_entropy, backend, chunk,
                                                 head)
         ctx.save_for_backward(x, w, t, lse, ent)
-        ctx.cfg = (inv_temp, with_entropy, backend, chunk, head)
+        ctx.cfg = (inv_temp, with_entropy, backend, chunk, head, bwd_rows, ws_bytes)
         ctx.set_materialize_grads(False)
         if not with_entropy:
             ctx.mark_non_differentiable(ent)
@@ -120,11 +101,11 @@ class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         x, w, t, lse, ent = ctx.saved_tensors
-        inv_temp, with_entropy, backend, chunk, head = ctx.cfg
+        inv_temp, with_entropy, backend, chunk, head, bwd_rows, ws_bytes = ctx.cfg
         if not with_entropy:
             g_ent = None
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        nones = (None,) * 6
+        nones = (None,) * 8
         if (g_logp is None and g_ent is None) or not (need_dx or need_dw or need_db) \
                 or x.shape[0] == 0:
             dx = torch.zeros_like(x) if need_dx else None
@@ -138,7 +119,11 @@ class _LinearLogprobs(torch.autograd.Function):
         if backend == "torch" and head is None:
             dx, dw = blocked_backward(*args, chunk, need_dx, need_dw)
         else:
-            dx, dw, db = chunked_backward(*args, backend, chunk, need_dx, need_dw, head, need_db)
+            rows, cols = vocab_outer_plan(x.shape[0], x.shape[1], w.shape[0], x.device,
+                                          block_elem_bytes=block_elem_bytes(w, head),
+                                          workspace_bytes=ws_bytes, rows=bwd_rows)
+            dx, dw, db = vocab_outer_backward(*args, backend, need_dx, need_dw, head, need_db,
+                                              rows, cols)
         return (dx, (dw.to(w.dtype) if dw is not None else None),
                 (db.to(head.bias_dtype) if db is not None else None)) + nones
 
@@ -184,7 +169,8 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
                     mask: torch.Tensor | None = None, temperature: float = 1.0,
                     with_entropy: bool = False, backend: str = "auto",
                     chunk_size: int | None = None, bias: torch.Tensor | None = None,
-                    logit_softcap: float | None = None, logit_scale: float | None = None):
+                    logit_softcap: float | None = None, logit_scale: float | None = None,
+                    workspace_bytes: int | None = None):
     """Log-prob of `targets` (and optionally the entropy) under softmax(head(hidden @ weight.T) / T).
 
     Args:
@@ -204,6 +190,10 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
             final_logit_softcapping), applied after bias and scale, before the temperature.
         logit_scale: a (nonzero) or None: logits = a * (hidden @ weight.T + bias) (Cohere's
             logit_scale; Granite's is 1 / logits_scaling).
+        workspace_bytes: memory the vocabulary-outer backward of the row-chunked path (Triton
+            backend, or any LM-head variant) may use besides the dX / dW it returns; default
+            1 GiB on CUDA, 64 MiB on CPU (see `_vocab_outer.py`). chunk_size, when given, also
+            sets its rows per group.
 
     Returns:
         (logp [N] float32, ent [N] float32 or None). Both differentiable w.r.t. hidden, weight
@@ -225,7 +215,7 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
              else chunk_rows(x.shape[0], v, x.device, chunk_size))
     b = None if head is None else bias
     logp, ent = _LinearLogprobs.apply(x, w, b, t, inv_temp, bool(with_entropy), backend, chunk,
-                                      head)
+                                      head, chunk_size, check_workspace_bytes(workspace_bytes))
     logp = scatter_rows(logp, rows, n)
     if not with_entropy:
         return logp, None
