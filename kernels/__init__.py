@@ -1,10 +1,13 @@
 """fastrehearse.kernels -- fused linear log-prob / entropy / policy-loss kernels.
 
-Importable alone: depends on torch and triton only (no transformers, no trainer code), with a
-plain-tensor API so other RL trainers (verl, TRL, prime-rl, ...) can drop it in.
+Importable alone: depends on torch only (no transformers, no trainer code; triton is imported
+when the Triton backend runs), with a plain-tensor API so other RL trainers (verl, TRL,
+prime-rl, ...) can drop it in.
 
-    linear_logprobs(hidden, weight, targets, *, mask, temperature, with_entropy, backend)
-    linear_policy_loss(hidden, weight, targets, roles, advantages, old_logp, config, ...)
+    linear_logprobs(hidden, weight, targets, *, mask, temperature, with_entropy, backend,
+                    chunk_size, bias, logit_softcap, logit_scale, workspace_bytes)
+    linear_policy_loss(hidden, weight, targets, roles, advantages, old_logp, config, ...,
+                       bias, logit_softcap, logit_scale, seq_ids)      # old_logp=None: on-policy
 
 See docs/kernels.md for the math and the design.
 """

@@ -43,7 +43,7 @@ from typing import Sequence
 
 import torch
 
-from ._common import (check_linear_inputs, check_targets, chunk_rows, mm_f32, resolve_backend)
+from ._common import check_linear_inputs, check_targets, chunk_rows, resolve_backend
 from ._rowmath import row_stats
 from ._head import build_head
 from .linear_logprobs import chunk_grad, head_logits, linear_logprobs
