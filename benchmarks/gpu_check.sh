@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_check.sh --dry-run              # print the steps, run nothing
 #   SMOKE=1 OUT=/tmp/x bash benchmarks/gpu_check.sh     # CPU: every step at tiny sizes (checks
 #                                                       # the script, imports and JSON writing)
+#   PIP_INSTALL=1 ...                                   # editable install instead of the shim
 #
 # Order (most valuable first; a step that would start with < 20 s of budget left is skipped):
 #   1. gpu_microbench.py    per-piece times vs roofline, num_warps sweep (docs/gpu.md)
@@ -80,9 +81,10 @@ if [ "$DRY" = 0 ]; then
         --target /tmp/site .whl/*.whl 2>&1 | tail -2 | tee -a "$LOG"
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   fi
-  # setup.py maps kernels/ -> fastrehearse.kernels: an editable install gives exactly that;
-  # without pip/setuptools (or FORCE_SHIM=1) a symlink package on PYTHONPATH does the same.
-  if [ "${FORCE_SHIM:-0}" = 1 ] \
+  # setup.py maps kernels/ -> fastrehearse.kernels. A symlink package on PYTHONPATH gives exactly
+  # that in a second (the default: an editable install without network can hang on build
+  # dependencies and eat the budget); PIP_INSTALL=1 tries `pip install -e .` first.
+  if [ "${PIP_INSTALL:-0}" != 1 ] \
      || ! timeout 60 $PY -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 \
      || ! $PY -c "import fastrehearse.kernels" >>"$LOG" 2>&1; then
     say "using a PYTHONPATH shim for fastrehearse (+ kernels)"

@@ -483,7 +483,7 @@ def main(argv=None):
                  else ""))
     path = args.json or Path(__file__).resolve().parent / "results" / f"roofline_{args.device}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(recs, indent=1) + "\n")
+    path.write_text("[\n" + ",\n".join(json.dumps(r) for r in recs) + "\n]\n")  # a record a line
     print(f"wrote {path}")
     return 0
 

@@ -73,12 +73,13 @@ def discover_kernels() -> dict[str, tuple[JITFunction, object]]:
     """'module.name' -> (JITFunction, the module-level object) for every kernel defined in the
     fastrehearse.kernels package (imported names from elsewhere are skipped)."""
     import fastrehearse.kernels as pkg
-    found = {}
+    found, seen = {}, set()
     for info in pkgutil.iter_modules(pkg.__path__):
         mod = importlib.import_module(f"{pkg.__name__}.{info.name}")
         for name, obj in vars(mod).items():
             fn = _unwrap(obj)
-            if fn is not None and fn.fn.__module__ == mod.__name__:
+            if fn is not None and fn.fn.__module__ == mod.__name__ and id(fn) not in seen:
+                seen.add(id(fn))                      # an alias is the same kernel
                 found[f"{info.name}.{name}"] = (fn, obj)
     return found
 
