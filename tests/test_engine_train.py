@@ -2,10 +2,11 @@
 all four categories, 80/20 hold-out) runs 2 RL steps in rehearse and in hybrid mode, as
 `fastrehearse train --config configs/smoke_bfcl.yaml --set steps=2` does.
 
-What this covers: BFCL tasks, their ~4-9k-token prompts, BFCL's checker as the reward, packing and
-the policy update. A random model never ends a turn within 16 tokens, so its episodes stop at
-max_new_tokens: user turns, rehearsal and real calls in episodes are covered by
-tests/test_engine_protocol.py and tests/test_engine_benchmarks.py, not here."""
+What this covers: BFCL tasks, their ~4-9k-token prompts, cut turns closed as written and the user
+turns that follow them (a random model never ends a turn within 16 tokens: each turn is cut and
+read as a text reply, so every episode walks through all its user turns), BFCL's checker as the
+reward, packing and the policy update. A random model writes no tool call, so rehearsal and real
+calls are covered by tests/test_engine_protocol.py and tests/test_engine_benchmarks.py."""
 import json
 import math
 import os
