@@ -173,8 +173,45 @@ def recipe_head(h: int, v: int) -> None:
             head.backward_(du, z if head.needs_pre else None, "triton")
 
 
+def recipe_vocab_outer(h: int, v: int) -> None:
+    """linear_logprobs' vocabulary-outer backward (kernels/_vocab_outer.py) on CUDA: the row and
+    head kernels on [R, V_b] blocks, R and V_b from the code's own plan (`vocab_outer_plan`,
+    default budget), every distinct block width (V_b and the last, narrower block), dZ in the
+    weight dtype without a head variant and fp32 in place with one. Python slicing of fake CUDA
+    tensors is not available on a CPU-only torch, so the bias slice is taken with narrow (same
+    storage offset as `HeadTransform.cols`)."""
+    from fastrehearse.kernels import _common, _rows
+    try:
+        from fastrehearse.kernels._head import HeadTransform
+        from fastrehearse.kernels._vocab_outer import block_elem_bytes
+    except ImportError:    # a checkout without the vocabulary-outer backward
+        return
+    dev = torch.device("cuda")
+    w = _fake((v, h), DTYPE)
+    for head in (None, HeadTransform(_fake((v,), DTYPE), 30.0, 0.5)):
+        rows, cols = _common.vocab_outer_plan(N_ROWS, h, v, dev,
+                                              block_elem_bytes=block_elem_bytes(w, head))
+        r = min(rows, N_ROWS)
+        vec = lambda: _fake((r,), torch.float32)  # noqa: E731
+        for v0 in sorted({0, (v - 1) // cols * cols}):          # a full block and the last one
+            width = min(cols, v - v0)
+            z = _fake((r, width), torch.float32)
+            t = _fake((r,), torch.int64)
+            if head is None:
+                dz = _fake((r, width), _common.grad_dtype(w))
+                for g1, g2 in ((vec(), None), (vec(), vec()), (None, vec())):
+                    _rows.row_grad_triton(z, t, vec(), vec(), g1, g2, 1.0, out=dz)
+                continue
+            hb = HeadTransform.__new__(HeadTransform)
+            hb.__dict__.update(head.__dict__)
+            hb.bias = head.bias.narrow(0, v0, width)
+            u = hb.forward(z, "triton", out=torch.empty_like(z) if hb.needs_pre else None)
+            du = _rows.row_grad_triton(u, t, vec(), vec(), vec(), None, 1.0, out=u)
+            hb.backward_(du, z if hb.needs_pre else None, "triton")
+
+
 # Every recipe runs for every shape; together they must launch every discovered kernel.
-RECIPES = [recipe_rows, recipe_head]
+RECIPES = [recipe_rows, recipe_head, recipe_vocab_outer]
 
 
 def record_launches(kernels) -> list[dict]:
