@@ -201,3 +201,36 @@ def test_bfcl_episode_user_turns_and_packed_logprobs(bfcl):
         assert abs(float(ref) - old) < 1e-4, (t, float(ref), old)
         checked += 1
     assert checked == sum(sum(not math.isnan(x) for x in ep.rollout_logprobs) for ep in res.episodes)
+
+
+def test_tau2_conversational_user_turns_through_the_engine(monkeypatch):
+    """tau2 mock in conversational mode: the user simulator (a scripted OpenAI-compatible server on
+    loopback) answers the agent's text replies through the engine: its first message is in the
+    prompt, its second a user turn forced as CONTEXT after the agent's closing reply, its stop ends
+    the episode; tau2's evaluator gives the gold run (plus one empty closing reply) 1.0."""
+    pytest.importorskip("tau2")
+    from fastrehearse.envs.tau2 import Tau2Suite
+    from test_env_tau2_usersim import ScriptedUser     # the scripted simulator of the env tests
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    sim = ScriptedUser(["Hi, I need help with my reservation.", "Thanks! Anything else I should know?",
+                        "###STOP###"])
+    try:
+        suite = Tau2Suite(user_url=sim.url, user_model="openai/scripted-user", solo=False)
+        task = suite.tasks("mock", limit=1)[0]
+        res = gold_engine(max_turns=10).rollout([task], suite, policy=GoldPolicy())
+        ep, traj = res.episodes[0], res.trajectories[0]
+        assert ep.reward == 1.0 and ep.metadata["stop_reason"] == "final_answer", ep.metadata
+        assert ep.metadata["user_turns"] == 1
+        # the simulator received the agent's closing reply as the engine wrote it
+        closing = [m for m in task.gold if m["role"] == "assistant"][-1]["content"]
+        assert sim.requests[1][1]["messages"][-1]["content"] == closing
+        assert [m["role"] for m in traj.messages][-3:] == ["assistant", "user", "assistant"]
+        tok = smollm2_tokenizer()
+        n = ep.metadata["prompt_tokens"]
+        for text, lo, hi in (("Hi, I need help with my reservation.", 0, n),
+                             ("Thanks! Anything else I should know?", n, len(ep.input_ids))):
+            ids = tok.encode(text, add_special_tokens=False)
+            k = next(i for i in range(lo, hi) if ep.input_ids[i:i + len(ids)] == ids)
+            assert set(ep.roles[k:k + len(ids)]) == {int(Role.CONTEXT)}
+    finally:
+        sim.close()
