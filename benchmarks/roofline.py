@@ -1,11 +1,13 @@
 """Roofline model of the LM-head log-prob / policy-loss methods on an H200 / H100 (a PREDICTION).
 
     python benchmarks/roofline.py [--device h200|h100] [--json PATH] [--measured JSON ...]
-                                  [--budget-gib 1.5] [--shapes 4096x128256 ...] [--n 16384 ...]
+                                  [--budget-gib 1.5] [--workspace-gib G] [--shapes HxV ...]
 
 For every method of bench_logprobs.py / bench_policy_loss.py (ours as `ours-logprobs` and
-`ours-fused-loss`, each in two designs: the current CUDA path and the vocabulary-outer design of
-issue 17) and every shape, the model lists the pieces one fwd+bwd runs (GEMMs, logits passes,
+`ours-fused-loss` in labelled designs, `design_key`: "row-chunked" with the V x H fp32 dW
+accumulator, "vocab-outer" as kernels/_vocab_outer.py does it with the code's own block plan,
+and for the fused loss a HYPOTHETICAL "bf16-acc"; which one the code runs is in `design`) and
+every shape, the model lists the pieces one fwd+bwd runs (GEMMs, logits passes,
 row kernels, dW / dX accumulators, small-op launches), each with its FLOPs and HBM bytes, and
 predicts a piece's time as its roofline max(FLOPs / matmul rate, bytes / bandwidth) (`predicted_ms`,
 the sum over pieces) and, as a pessimistic bound with no overlap inside a piece, FLOPs / rate +
@@ -219,26 +221,39 @@ def _row_chunked_backward(n, h, v, c, k, recompute):
     ]
 
 
-def _vocab_outer_backward(n, h, v, budget):
-    """All rows per vocabulary block: dW_b = dZ_b^T X (K = N) written once; dX in an fp32 [N, H]
-    accumulator. Block width: the code's logits budget (CHUNK_BYTES_CUDA of fp32 [N, V_b]),
-    smaller if the workspace budget demands; the model charges ceil(V / V_b) blocks of V / k."""
-    acc = n * h * F32
-    left = budget - acc
-    vb = min(int(left // (n * (F32 + BF16))) if left > 0 else 0, CHUNK_BYTES_CUDA // (F32 * n))
-    vb = min(v, max(128, vb - vb % 128))
-    k = math.ceil(v / vb)
+def _vocab_outer_backward(n, h, v, plan_bytes):
+    """kernels/_vocab_outer.py as written: row groups of R rows (all rows when their fp32 dX
+    accumulator fits half the budget), vocabulary blocks of V_b columns, both from the code's own
+    `vocab_outer_plan`. Per block: Z_b GEMM (fp32 out), row kernel (fp32 in, bf16 dZ out),
+    dX_acc += dZ_b W_b (fp32 accumulator), dW_b = dZ_b^T X (K = R) as an fp32 GEMM result
+    rounded once into the bf16 dW (first group) or added into an fp32 dW (later groups)."""
+    import torch
+    from fastrehearse.kernels._common import vocab_outer_plan
+    rows, cols = vocab_outer_plan(n, h, v, torch.device("cuda"), block_elem_bytes=F32 + BF16,
+                                  workspace_bytes=int(plan_bytes) if plan_bytes else None)
+    r = min(rows, n)
+    groups = math.ceil(n / r)
+    k = math.ceil(v / cols)
     w = v / k                                            # the average block width
+    kk = groups * k
     pieces = [
-        gemm(f"bwd Z_b = X W_b^T (fp32 out, all rows, {k} blocks of <= {vb})", n, w, h,
-             out_bytes=F32, count=k),
-        passes("_row_grad_kernel on the [N, V_b] block", n * w * (F32 + BF16), k),
-        gemm("dX_acc += dZ_b W_b (fp32 [N, H] accumulator)", n, h, w, out_bytes=F32,
-             accumulate=True, count=k),
-        gemm("dW_b = dZ_b^T X (K = N, written once in bf16)", w, h, n, count=k),
-        passes("dX: zero fp32 accumulator + final cast to bf16", n * h * (F32 + F32 + BF16)),
+        gemm(f"bwd Z_b = X_g W_b^T (fp32 out; {groups} row group(s) of {r}, {k} blocks of "
+             f"<= {cols})", r, w, h, out_bytes=F32, count=kk),
+        passes("_row_grad_kernel on the [R, V_b] block", r * w * (F32 + BF16), kk),
+        gemm("dX_acc += dZ_b W_b (fp32 [R, H] accumulator)", r, h, w, out_bytes=F32,
+             accumulate=True, count=kk),
+        gemm("dW_b = dZ_b^T X_g (K = R, fp32 result)", w, h, r, out_bytes=F32, count=k),
+        passes("dW_b fp32 result rounded into the bf16 dW", w * h * (F32 + BF16), k),
+        passes("dX_acc zeroed, copied out to bf16 dX", r * h * (F32 + F32 + BF16), groups),
+        passes("small torch ops per vocab block (bwd)", 0, kk, 3),
     ]
-    return pieces, acc + n * vb * (F32 + BF16), vb
+    ws = r * h * F32 + r * cols * (F32 + BF16) + cols * h * F32
+    if groups > 1:
+        pieces += [gemm("dW_b += dZ_b^T X_g (later groups, fp32 V x H)", w, h, r, out_bytes=F32,
+                        accumulate=True, count=(groups - 1) * k),
+                   passes("fp32 dW cast to bf16", v * h * (F32 + BF16))]
+        ws += v * h * F32
+    return pieces, ws, (groups, r, cols)
 
 
 def ours_logprobs(n, h, v, design, budget):
@@ -246,19 +261,20 @@ def ours_logprobs(n, h, v, design, budget):
     k = math.ceil(n / c)
     fwd = _row_chunked_forward(n, h, v, c, k, 4, "small torch ops per chunk (fwd: copies out)")
     if design == "row-chunked":
-        return Design("ours-logprobs", "row-chunked, V x H fp32 dW read-modify-write (current "
-                      "CUDA path)", "ours (triton)", False, 8,
+        return Design("ours-logprobs", "row-chunked backward, V x H fp32 dW read-modify-write "
+                      "(the CUDA path before commit c0f2889)", "ours (triton)", False, 8,
                       fwd + _row_chunked_backward(n, h, v, c, k, recompute=True)
                       + [passes("small torch ops per chunk (bwd)", 0, k, 3)],
                       workspace=v * h * F32 + c * v * (F32 + BF16), key=design,
                       notes=f"{c}-row chunks; workspace: fp32 dW accumulator + fp32 Z + bf16 dZ")
-    bwd, ws, vb = _vocab_outer_backward(n, h, v, budget)
-    return Design("ours-logprobs", "vocabulary-outer backward (issue 17 design, not yet on CUDA)",
-                  "ours (triton)", False, 8,
-                  fwd + bwd + [passes("small torch ops per vocab block (bwd)", 0, math.ceil(v / vb), 3)],
+    bwd, ws, (groups, r, cols) = _vocab_outer_backward(n, h, v, budget)
+    return Design("ours-logprobs", "vocabulary-outer backward (the CUDA path since commit "
+                  "c0f2889: kernels/_vocab_outer.py, blocks from vocab_outer_plan)",
+                  "ours (triton)", False, 8, fwd + bwd,
                   workspace=max(ws, c * v * F32), key=design,
-                  notes=f"forward {c}-row chunks; backward V_b={vb} columns x all rows; workspace: "
-                        f"fp32 [N, H] dX accumulator + fp32 Z_b + bf16 dZ_b")
+                  notes=f"forward {c}-row chunks; backward {groups} group(s) of {r} rows x V_b="
+                        f"{cols}; workspace: fp32 [R, H] dX accumulator + fp32 Z_b + bf16 dZ_b + "
+                        f"fp32 dW_b")
 
 
 FUSED_LOSS_OPS = 35    # per chunk: per-token loss terms + derivatives + metrics (kernels/policy_loss.py)
@@ -271,7 +287,7 @@ def ours_fused_loss(n, h, v, design, budget):
                                "per-token loss terms + derivatives (small torch ops per chunk)")
     if design == "row-chunked":
         return Design("ours-fused-loss", "one pass, row-chunked, V x H fp32 dW read-modify-write "
-                      "(current CUDA path)", "fused (triton)", False, 6,
+                      "(the current CUDA path)", "fused (triton)", False, 6,
                       fwd + _row_chunked_backward(n, h, v, c, k, recompute=False),
                       workspace=v * h * F32 + c * v * (F32 + BF16), key=design,
                       notes=f"{c}-row chunks; gradients made in the forward (6NHV)")
@@ -288,19 +304,19 @@ def ours_fused_loss(n, h, v, design, budget):
                       "per-token loss terms fused into the row kernel", "fused (triton)", False,
                       6, pieces, workspace=c * v * (F32 + BF16), key=design,
                       notes="not implemented: trades the fp32 dW accumulation for time + memory")
-    bwd, ws, vb = _vocab_outer_backward(n, h, v, budget)
-    return Design("ours-fused-loss", "two sweeps: row-chunked stats, then vocabulary-outer "
-                  "backward (the per-token gradient needs the whole row's lse first: 8NHV)",
-                  "fused (triton)", False, 8,
-                  fwd + bwd + [passes("small torch ops per vocab block", 0, math.ceil(v / vb), 3)],
+    bwd, ws, (groups, r, cols) = _vocab_outer_backward(n, h, v, budget)
+    return Design("ours-fused-loss", "HYPOTHETICAL two sweeps: row-chunked stats, then the "
+                  "vocabulary-outer backward (the per-token gradient needs the whole row's lse "
+                  "first: 8NHV)", "fused (triton)", False, 8, fwd + bwd,
                   workspace=max(ws, c * v * F32), key=design,
-                  notes=f"V_b={vb}; meets the workspace bound at the price of a logits recompute")
+                  notes=f"not implemented; V_b={cols}: meets the workspace bound at the price of "
+                        f"a logits recompute")
 
 
 def ours_unfused(n, h, v, budget):
-    d = ours_logprobs(n, h, v, "row-chunked", budget)
+    d = ours_logprobs(n, h, v, "vocab-outer", budget)
     d.method, d.bench_method = "unfused (triton)", "unfused (triton)"
-    d.design = "linear_logprobs (row-chunked) + torch loss"
+    d.design = "linear_logprobs (vocabulary-outer backward) + torch loss"
     d.pieces.append(passes("torch loss + autograd (per-token ops)", 0, 1, 60))
     return d
 
@@ -366,7 +382,8 @@ def record(d: Design, dev_key: str, n: int, h: int, v: int, frac: float) -> dict
                         "launches": p.launches, "ms": round(p.ms(dev), 4)} for p in d.pieces]}
 
 
-def build(dev_key="h200", shapes=None, ns=None, fracs=None, budget_gib=1.5) -> list[dict]:
+def build(dev_key="h200", shapes=None, ns=None, fracs=None, workspace_gib=None) -> list[dict]:
+    """workspace_gib: the vocabulary-outer plan's budget (None: the code's default)."""
     shapes = shapes or GPU_SHAPES
     ns = ns or [4096, 16384]
     fracs = fracs or [1.0, 0.5, 0.25]
@@ -374,7 +391,8 @@ def build(dev_key="h200", shapes=None, ns=None, fracs=None, budget_gib=1.5) -> l
     for h, v in shapes:
         for n in ns:
             for f in fracs:
-                for d in designs(n, round(f * n), h, v, budget_gib * 2 ** 30):
+                for d in designs(n, round(f * n), h, v,
+                                 workspace_gib * 2 ** 30 if workspace_gib else None):
                     recs.append(record(d, dev_key, n, h, v, f))
     return recs
 
@@ -452,13 +470,16 @@ def main(argv=None):
     ap.add_argument("--n", type=int, nargs="+", default=None)
     ap.add_argument("--fracs", type=float, nargs="+", default=None)
     ap.add_argument("--budget-gib", type=float, default=1.5,
-                    help="workspace budget of the vocabulary-outer design (issue 17: 1.5 GiB)")
+                    help="the workspace target the designs are checked against (issue 17: 1.5)")
+    ap.add_argument("--workspace-gib", type=float, default=None,
+                    help="budget of the vocabulary-outer plan (default: the code's, "
+                         "kernels/_common.WORKSPACE_BYTES_CUDA)")
     ap.add_argument("--measured", nargs="*", default=None,
                     help="bench_logprobs/bench_policy_loss GPU JSON files to print beside the "
                          "prediction (default on a CUDA machine: benchmarks/results/*_gpu.json)")
     args = ap.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes else None
-    recs = build(args.device, shapes, args.n, args.fracs, args.budget_gib)
+    recs = build(args.device, shapes, args.n, args.fracs, args.workspace_gib)
     measured = args.measured
     if measured is None:
         try:
