@@ -6,8 +6,11 @@
 What one chunk of `linear_logprobs` / `linear_policy_loss` runs, timed piece by piece (CUDA
 events through triton.testing.do_bench): the fp32-output logits GEMM, `_row_stats_kernel` and
 `_row_grad_kernel` at num_warps 4/8/16/32 (injected into the launch the code makes, so the
-block sizes are the code's), the dX GEMM and the dW addmm into the fp32 V x H accumulator; then
-the whole fwd+bwd of both entry points at chunk budgets of 256 MiB (the default) and 1 GiB.
+block sizes are the code's), the dX GEMM and the dW addmm into the fp32 V x H accumulator (the row-chunked path of the fused
+loss); one block of linear_logprobs' vocabulary-outer backward (Z_b GEMM, row kernel, fp32 dX
+accumulator addmm, dW_b GEMM) at the code's own block plan; then the whole fwd+bwd of
+`linear_logprobs` at workspace budgets of 512 MiB / default (1 GiB) / 1.5 GiB and of the fused
+`linear_policy_loss` at chunk budgets of 256 MiB (the default) and 1 GiB.
 Every row prints the measured time, the roofline floor at the *measured* matmul rate and copy
 bandwidth (taken first), and benchmarks/roofline.py's prediction for the same piece at the
 stated H200 numbers. Also reports whether the fp32-output (`out_dtype`) GEMMs were used.
@@ -148,39 +151,69 @@ def main(argv=None):
           or "not tried (fp32 inputs)")
     del z, dz, acc, dx
 
+    # one block of the vocabulary-outer backward (linear_logprobs on CUDA), the code's own plan
+    rows, cols = kc.vocab_outer_plan(a.n, a.h, a.v, torch.device("cuda"),
+                                     block_elem_bytes=4 + x.element_size())
+    r, vb = min(rows, a.n), min(cols, a.v)
+    xr, tr, wb = x[:r], t[:r], w[:vb]
+    zb = kc.mm_f32(xr, wb.t())
+    row(f"[R={r}, V_b={vb}] Z_b = X W_b^T (fp32 out)", bench_ms(lambda: kc.mm_f32(xr, wb.t()), dev),
+        roofline.gemm("", r, vb, a.h, out_bytes=4))
+    lse_b = _rows.row_stats_triton(zb, tr.clamp_max(vb - 1), 1.0, False)[2]
+    g1b = torch.randn(r, device=dev)
+    dzb = torch.empty(zb.shape, device=dev, dtype=dt)
+    for nw in ((4, 8, 16) if cuda else (4,)):
+        with num_warps(_rows._row_grad_kernel, nw):
+            row(f"[R={r}, V_b={vb}] _row_grad_kernel (g1) warps={nw}",
+                bench_ms(lambda: _rows.row_grad_triton(zb, tr, lse_b, None, g1b, None, 1.0,
+                                                       out=dzb), dev),
+                roofline.passes("", r * vb * (4 + dzb.element_size())))
+    dxa = torch.zeros(r, a.h, device=dev, dtype=torch.float32)
+    row(f"[R={r}, V_b={vb}] dX_acc += dZ_b W_b (fp32 [R, H])",
+        bench_ms(lambda: kc.addmm_f32_(dxa, dzb, wb), dev),
+        roofline.gemm("", r, a.h, vb, out_bytes=4, accumulate=True, a_bytes=dzb.element_size()))
+    dwb = torch.empty(vb, a.h, device=dev, dtype=dt)
+    row(f"[R={r}, V_b={vb}] dW_b = dZ_b^T X (fp32 result -> {str(dt)[6:]})",
+        bench_ms(lambda: dwb.copy_(kc.mm_f32(dzb.t(), xr)), dev),
+        roofline.Piece("", 2.0 * vb * a.h * r, vb * r * dzb.element_size() + r * a.h *
+                       x.element_size() + vb * a.h * (4 + 4 + dwb.element_size())))
+    del zb, dzb, dxa, dwb
+
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
     roles = torch.randint(1, 3, (a.n,), device=dev)
     adv, old = torch.randn(a.n, device=dev), torch.full((a.n,), -11.0, device=dev)
     backend = "triton"
+
+    def record_step(name, fn, design):
+        floor_flops = design.floor_nhv * a.n * a.h * a.v
+        ms = bench_ms(fn, dev, reps=200)
+        row(name, ms, roofline.Piece("", floor_flops, 0.0))
+        out["rows"][-1]["predicted_ms_h200"] = round(sum(p.ms(dev_model) for p in design.pieces), 3)
+        out["rows"][-1]["note"] = f"floor = {design.floor_nhv}NHV at the measured rate"
+
+    # linear_logprobs: the vocabulary-outer backward at workspace budgets (default: the code's)
+    for ws in ((512 << 20, None, 3 << 29) if cuda else (None,)):
+        def lp_step(ws=ws):
+            xg.grad = wg.grad = None
+            lp, _ = linear_logprobs(xg, wg, t, backend=backend, workspace_bytes=ws)
+            lp.sum().backward()
+        label = "default" if ws is None else f"{ws >> 20} MiB"
+        record_step(f"linear_logprobs fwd+bwd, workspace {label}", lp_step,
+                    roofline.ours_logprobs(a.n, a.h, a.v, "vocab-outer", ws))
+    # the fused loss: row-chunked, at chunk budgets
     saved = kc.CHUNK_BYTES_CUDA
     try:
         for budget in ((256 << 20, 1 << 30) if cuda else (saved,)):
             kc.CHUNK_BYTES_CUDA = roofline.CHUNK_BYTES_CUDA = budget
             rows_c = kc.chunk_rows(a.n, a.v, torch.device("cuda"))
 
-            def lp_step():
-                xg.grad = wg.grad = None
-                lp, _ = linear_logprobs(xg, wg, t, backend=backend)
-                lp.sum().backward()
-
             def pl_step():
                 xg.grad = wg.grad = None
                 linear_policy_loss(xg, wg, t, roles, adv, old, PolicyLossConfig(),
                                    backend=backend, check_finite=False).loss.backward()
-            for name, fn, method, key in (
-                    ("linear_logprobs fwd+bwd", lp_step, "ours-logprobs", "row-chunked"),
-                    ("linear_policy_loss fused fwd+bwd", pl_step, "ours-fused-loss",
-                     "row-chunked")):
-                d = {"ours-logprobs": roofline.ours_logprobs,
-                     "ours-fused-loss": roofline.ours_fused_loss}[method](a.n, a.h, a.v, key,
-                                                                          1.5 * 2**30)
-                floor_flops = d.floor_nhv * a.n * a.h * a.v
-                ms = bench_ms(fn, dev, reps=200)
-                whole = roofline.Piece("", floor_flops, 0.0)
-                pred = sum(p.ms(dev_model) for p in d.pieces)
-                row(f"{name}, budget {budget >> 20} MiB ({rows_c} rows)", ms, whole)
-                out["rows"][-1]["predicted_ms_h200"] = round(pred, 3)
-                out["rows"][-1]["note"] = f"floor = {d.floor_nhv}NHV at the measured rate"
+            record_step(f"linear_policy_loss fused fwd+bwd, chunk budget {budget >> 20} MiB "
+                        f"({rows_c} rows)", pl_step,
+                        roofline.ours_fused_loss(a.n, a.h, a.v, "row-chunked", None))
     finally:
         kc.CHUNK_BYTES_CUDA = roofline.CHUNK_BYTES_CUDA = saved
     path.write_text(json.dumps(out, indent=1) + "\n")
