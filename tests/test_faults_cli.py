@@ -53,7 +53,7 @@ def _one_line_2(rc, err, *needles):
     (["optim.lr=0"], ["'optim.lr' must be > 0"]),
     (["optim.lr=inf"], ["'optim.lr' must be a finite number"]),
     (["sft.lr=0"], ["'sft.lr' must be > 0 when sft.steps > 0"]),
-    (["env.train_split=nope"], ["env (suite 'builtin'", "nope"]),
+    (["env.train_split=nope"], ["config key 'env.train_split' = 'nope'"]),
 ])
 def test_config_mistakes_fail_before_the_model_loads(capsys, tmp_path, no_weights, sets, needles):
     rc, err = _train(capsys, tmp_path, *sets)
@@ -151,3 +151,10 @@ def test_presets_pass_preflight_where_their_model_exists():
             continue
         preflight(cfg)
         assert yaml.safe_load(p.read_text())
+
+
+def test_prompt_longer_than_max_episode_tokens_is_refused(capsys, tmp_path):
+    """It used to train on 0 tokens and exit 0."""
+    rc, err = _train(capsys, tmp_path, "rollout.max_episode_tokens=64", "max_tokens=64")
+    _one_line_2(rc, err, "'rollout.max_episode_tokens'", "nothing would be generated or trained")
+    assert not (tmp_path / "run" / "config.yaml").exists()

@@ -154,3 +154,15 @@ def test_group_size_one_reports_zero_signal_honestly(run):
     row = loop.rl_step(run)
     assert row["zero_signal_groups"] == 1.0
     assert any("group_size=1" in w for w in loop.warnings_for(run.cfg))
+
+
+def test_tensorboard_writer_mirrors_metrics(tmp_path):
+    pytest.importorskip("tensorboard")
+    log = MetricsLogger(tmp_path, progress=False, plot_every=0, tensorboard=True)
+    log.log({"step": 1, "stage": "rl", "loss": 0.5, "reward": 0.25})
+    log.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("rl/loss")] == [(1, 0.5)]
+    assert len(read_metrics(tmp_path / "metrics.jsonl")[0]) == 1        # metrics.jsonl stays the truth

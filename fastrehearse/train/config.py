@@ -165,6 +165,7 @@ class TrainConfig:
 # Loading and checking
 
 _SCALARS = (int, float, str, bool, type(None))
+_FP32_MAX = 3.4028234663852886e38
 
 
 def _type_name(tp) -> str:
@@ -347,8 +348,9 @@ def validate(cfg: TrainConfig, explicit: set | frozenset = frozenset()) -> Train
             raise ConfigError(f"config key '{key}' must be {'>= 0' if zero_ok else '> 0'}, got {value}")
 
     for key, v in _walk(cfg):
-        if isinstance(v, float) and not math.isfinite(v):
-            raise ConfigError(f"config key '{key}' must be a finite number, got {v}")
+        if isinstance(v, float) and not (math.isfinite(v) and abs(v) <= _FP32_MAX):
+            # beyond float32's range a value is inf for the fp32 weights and optimizer it meets
+            raise ConfigError(f"config key '{key}' must be a finite number (within float32 range), got {v}")
     choice("rollout.mode", cfg.rollout.mode, ROLLOUT_MODES)
     choice("eval.mode", cfg.eval.mode, ROLLOUT_MODES)
     choice("algo.aggregation", cfg.algo.aggregation, AGGREGATIONS)

@@ -318,20 +318,30 @@ def setup(cfg: TrainConfig, info: DistInfo) -> Run:
 
 
 def build_tasks(cfg: TrainConfig):
-    """(suite, train tasks, eval tasks); a bad option, split or empty split is a ConfigError."""
+    """(suite, train tasks, eval tasks); a bad option or split, or an empty split, is a ConfigError
+    naming the key."""
     from fastrehearse.envs import get_suite
+
+    def msg(e):
+        return e.args[0] if isinstance(e, KeyError) and e.args else e
     try:
         suite = get_suite(cfg.env.suite, **cfg.env.options)
-        train_tasks = suite.tasks(cfg.env.train_split, limit=cfg.env.max_train_tasks)
-        eval_tasks = suite.tasks(cfg.env.eval_split, limit=cfg.eval.num_tasks) if cfg.eval.num_tasks else []
-    except (ValueError, KeyError, ImportError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        raise ConfigError(f"env (suite {cfg.env.suite!r}, options {cfg.env.options}, splits "
-                          f"{cfg.env.train_split!r} / {cfg.env.eval_split!r}): {msg}") from None
-    if not train_tasks:
-        raise ConfigError(f"suite {cfg.env.suite!r} has no tasks in split {cfg.env.train_split!r} "
-                          f"(config key 'env.train_split')")
-    return suite, train_tasks, eval_tasks
+    except (ValueError, TypeError, KeyError, ImportError) as e:
+        raise ConfigError(f"config key 'env.options' (suite {cfg.env.suite!r}): {msg(e)}") from None
+    tasks = {}
+    for key, split, limit in (("env.train_split", cfg.env.train_split, cfg.env.max_train_tasks),
+                              ("env.eval_split", cfg.env.eval_split, cfg.eval.num_tasks)):
+        if key == "env.eval_split" and not cfg.eval.num_tasks:
+            tasks[key] = []
+            continue
+        try:
+            tasks[key] = suite.tasks(split, limit=limit)
+        except (ValueError, KeyError) as e:
+            raise ConfigError(f"config key '{key}' = {split!r}: {msg(e)}") from None
+    if not tasks["env.train_split"]:
+        raise ConfigError(f"config key 'env.train_split' = {cfg.env.train_split!r}: suite "
+                          f"{cfg.env.suite!r} has no tasks in it")
+    return suite, tasks["env.train_split"], tasks["env.eval_split"]
 
 
 def check_prompt_lengths(cfg: TrainConfig, suite, tasks: list, tokenizer, sample: int = 16) -> None:
@@ -495,8 +505,13 @@ def _one_update(run: Run, batches, counts, weights, stage: str) -> dict:
         run.optimizer.zero_grad(set_to_none=True)
         return _skip(run, row, reason=f"non-finite loss {loss} / grad norm {grad_norm}")
     snap = _snapshot(run) if cfg.optim.rollback_nonfinite else None
-    run.optimizer.step()
-    bad = sum(int(not bool(torch.isfinite(_local(p)).all())) for p in run.policy.parameters())
+    try:
+        run.optimizer.step()
+        bad = sum(int(not bool(torch.isfinite(_local(p)).all())) for p in run.policy.parameters())
+    except RuntimeError as e:   # AdamW's step size beyond float32 ("... without overflow")
+        if "overflow" not in str(e):
+            raise
+        bad = 1
     if all_reduce_sum(torch.tensor([float(bad)], dtype=torch.float64), info).item() > 0:
         run.optimizer.zero_grad(set_to_none=True)
         if snap is None:
