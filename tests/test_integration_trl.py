@@ -169,6 +169,7 @@ def test_llama_grpo_steps_match_trl(tmp_path, fused_loss):
     dict(loss_type="bnpo", beta=0.05, use_bias_correction_kl=False),
     dict(loss_type="grpo", beta=0.05, num_iterations=2),       # KL x ratio (TRL's default)
     dict(loss_type="grpo", importance_sampling_level="sequence", num_iterations=2),  # GSPO
+    dict(loss_type="grpo", importance_sampling_level="sequence"),    # GSPO on-policy
     dict(loss_type="cispo", epsilon_high=1.1, num_iterations=2),
     dict(loss_type="dr_grpo", epsilon_high=0.28),
     dict(loss_type="dapo", num_iterations=2, delta=1.5),   # off-policy second pass: real ratios
@@ -184,6 +185,62 @@ def test_fused_loss_types_match_trl(tmp_path, over):
         fast, g_fast = train(fr_trl.FastGRPOTrainer, path, tmp_path / "fast", **over)
     assert_grads_equal(g_ref, g_fast)
     assert fast.fused_loss_calls >= 3
+
+
+def loss_batch(seed=1, b=4, p=5, c=7, vocab=63):
+    """A hand-made micro-batch for _compute_loss: completions of different lengths (so
+    per-sequence and per-token normalizers differ), a tool mask, left-padded prompts."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_mask = torch.ones(b, p, dtype=torch.long)
+    prompt_mask[0, :2] = 0
+    lengths = torch.tensor([c, 3, 5, 1][:b])
+    completion_mask = (torch.arange(c) < lengths[:, None]).long()
+    tool_mask = torch.ones(b, c, dtype=torch.long)
+    tool_mask[2, 1:3] = 0                           # tool output inside a completion
+    adv = torch.randn(b, generator=g)
+    return {"prompt_ids": torch.randint(3, vocab, (b, p), generator=g), "prompt_mask": prompt_mask,
+            "completion_ids": torch.randint(3, vocab, (b, c), generator=g),
+            "completion_mask": completion_mask, "tool_mask": tool_mask, "advantages": adv,
+            "num_items_in_batch": (completion_mask * tool_mask).sum() * 2}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("off_policy", [False, True])
+def test_loss_normalizers_match_trl_on_uneven_batch(tmp_path, loss_type, level, off_policy):
+    """TRL's _compute_loss vs the fused one on one batch: loss value and every gradient, with
+    uneven completion lengths, a tool mask, gradient accumulation 2, KL x ratio, entropy off."""
+    base = tiny_model("llama", seed=4)
+    over = dict(loss_type=loss_type, importance_sampling_level=level, gradient_accumulation_steps=2,
+                epsilon_high=1.5 if loss_type == "cispo" else 0.28, epsilon=0.1, max_completion_length=7)
+    out = {}
+    for name, cls in (("trl", trl.GRPOTrainer), ("fast", fr_trl.FastGRPOTrainer)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tr = cls(model=copy.deepcopy(base), args=grpo_args(tmp_path / name, **over),
+                     reward_funcs=reward_w7, train_dataset=prompts_dataset(),
+                     processing_class=tiny_tokenizer())
+        tr.current_gradient_accumulation_steps = 2     # set by train(); _compute_loss reads it
+        tr.beta = 0.04                                 # the KL term (TRL would also build a ref model)
+        inputs = loss_batch()
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        with torch.no_grad():
+            lp, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, attn, 7)
+        g = torch.Generator().manual_seed(9)
+        inputs["ref_per_token_logps"] = lp + 0.3 * torch.randn(lp.shape, generator=g)
+        if off_policy:
+            inputs["old_per_token_logps"] = lp + 0.2 * torch.randn(lp.shape, generator=g)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)   # no fallback
+            loss = tr._compute_loss(tr.model, inputs)
+        loss.backward()
+        out[name] = (loss.detach(), {n: p.grad.clone() for n, p in tr.model.named_parameters()
+                                     if p.grad is not None})
+        if name == "fast":
+            assert tr.fused_loss_calls == 1
+    torch.testing.assert_close(out["fast"][0], out["trl"][0], rtol=1e-5, atol=1e-7)
+    assert_grads_equal([out["trl"][1]], [out["fast"][1]])
 
 
 def test_unsupported_loss_falls_back_with_one_warning(tmp_path):
