@@ -204,15 +204,11 @@ def loss_batch(seed=1, b=4, p=5, c=7, vocab=63):
             "num_items_in_batch": (completion_mask * tool_mask).sum() * 2}
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo"])
-@pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("off_policy", [False, True])
-def test_loss_normalizers_match_trl_on_uneven_batch(tmp_path, loss_type, level, off_policy):
-    """TRL's _compute_loss vs the fused one on one batch: loss value and every gradient, with
-    uneven completion lengths, a tool mask, gradient accumulation 2, KL x ratio, entropy off."""
+def compare_compute_loss(tmp_path, over, off_policy, fused=True):
+    """TRL's _compute_loss vs FastGRPOTrainer's on loss_batch(): loss value and every gradient
+    (gradient accumulation 2, beta 0.04 with a KL x ratio term)."""
     base = tiny_model("llama", seed=4)
-    over = dict(loss_type=loss_type, importance_sampling_level=level, gradient_accumulation_steps=2,
-                epsilon_high=1.5 if loss_type == "cispo" else 0.28, epsilon=0.1, max_completion_length=7)
+    over = dict(gradient_accumulation_steps=2, epsilon=0.1, max_completion_length=7, **over)
     out = {}
     for name, cls in (("trl", trl.GRPOTrainer), ("fast", fr_trl.FastGRPOTrainer)):
         with warnings.catch_warnings():
@@ -231,16 +227,36 @@ def test_loss_normalizers_match_trl_on_uneven_batch(tmp_path, loss_type, level, 
         inputs["ref_per_token_logps"] = lp + 0.3 * torch.randn(lp.shape, generator=g)
         if off_policy:
             inputs["old_per_token_logps"] = lp + 0.2 * torch.randn(lp.shape, generator=g)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", UserWarning)   # no fallback
+        fr_trl._warned.clear()
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always", UserWarning)
             loss = tr._compute_loss(tr.model, inputs)
         loss.backward()
         out[name] = (loss.detach(), {n: p.grad.clone() for n, p in tr.model.named_parameters()
                                      if p.grad is not None})
         if name == "fast":
-            assert tr.fused_loss_calls == 1
+            assert tr.fused_loss_calls == int(fused)
+            fallbacks = [w for w in rec if "TRL's own loss" in str(w.message)]
+            assert len(fallbacks) == int(not fused), [str(w.message) for w in rec]
     torch.testing.assert_close(out["fast"][0], out["trl"][0], rtol=1e-5, atol=1e-7)
     assert_grads_equal([out["trl"][1]], [out["fast"][1]])
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("off_policy", [False, True])
+def test_loss_normalizers_match_trl_on_uneven_batch(tmp_path, loss_type, level, off_policy):
+    """Uneven completion lengths and a tool mask: per-sequence and per-token normalizers differ."""
+    compare_compute_loss(tmp_path, dict(loss_type=loss_type, importance_sampling_level=level,
+                                        epsilon_high=1.5 if loss_type == "cispo" else 0.28),
+                         off_policy)
+
+
+@pytest.mark.parametrize("loss_type,fused", [("bnpo", True), ("dapo", True), ("grpo", False)])
+def test_entropy_bonus_fused_where_expressible(tmp_path, loss_type, fused):
+    """TRL weights the entropy bonus per token; grpo weights the policy term per sequence, so
+    with uneven lengths grpo + entropy bonus falls back (one warning), the others are fused."""
+    compare_compute_loss(tmp_path, dict(loss_type=loss_type, entropy_coef=0.05), True, fused)
 
 
 def test_unsupported_loss_falls_back_with_one_warning(tmp_path):
