@@ -1,5 +1,5 @@
 """fastrehearse.model reads the LM-head settings of real transformers classes (Gemma2's
-final_logit_softcapping, Cohere's logit_scale, Granite's logits_scaling, an lm_head bias) and the
+/ Gemma3's final_logit_softcapping, Cohere's logit_scale, Granite's logits_scaling, an lm_head bias) and the
 kernels then reproduce the model's own logits' log_softmax (fp32, 1e-5); heads it cannot express
 are refused when the model is wrapped, naming the setting."""
 import random
@@ -30,6 +30,13 @@ def tiny_gemma2(**kw):
     return Gemma2ForCausalLM(cfg)
 
 
+def tiny_gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    return Gemma3ForCausalLM(Gemma3TextConfig(**COMMON, final_logit_softcapping=3.0,
+                                              attn_logit_softcapping=None,
+                                              layer_types=["full_attention"] * 2))
+
+
 def tiny_cohere():
     from transformers import CohereConfig, CohereForCausalLM
     return CohereForCausalLM(CohereConfig(**COMMON, logit_scale=0.25))
@@ -51,6 +58,7 @@ def tiny_qwen2_bias():
 
 
 MODELS = {"gemma2": (tiny_gemma2, {"logit_softcap": 3.0}),
+          "gemma3_text": (tiny_gemma3, {"logit_softcap": 3.0}),
           "cohere": (tiny_cohere, {"logit_scale": 0.25}),
           "granite": (tiny_granite, {"logit_scale": 0.25}),
           "qwen2_bias": (tiny_qwen2_bias, {"bias"})}
