@@ -1,7 +1,7 @@
-"""fastrehearse.model reads the LM-head settings of real transformers classes (Gemma2's
-/ Gemma3's final_logit_softcapping, Cohere's logit_scale, Granite's logits_scaling, an lm_head bias) and the
-kernels then reproduce the model's own logits' log_softmax (fp32, 1e-5); heads it cannot express
-are refused when the model is wrapped, naming the setting."""
+"""fastrehearse.model reads the LM-head settings of real transformers classes (Gemma2's and
+Gemma3's final_logit_softcapping, Cohere's logit_scale, Granite's logits_scaling, an lm_head
+bias) and the kernels then reproduce the model's own logits' log_softmax (fp32, 1e-5); heads it
+cannot express are refused when the model is wrapped, naming the setting."""
 import random
 
 import pytest
