@@ -110,8 +110,9 @@ def item_from_episode(cat: str, task: Task, prompt, ep, traj: Trajectory, time_s
     messages = list(traj.messages)
     cut = _cut_turn(ep, tokenizer) if meta.get("stop_reason") == "max_new_tokens" else None
     if cut is not None:
-        # The engine ends the episode at an agent turn cut by max_new_tokens and keeps no message
-        # for it: the transcript shows what the model wrote, and the cut turn counts as a step.
+        # An engine run with on_max_new_tokens="end_episode" ends the episode at an agent turn cut
+        # by max_new_tokens and keeps no message for it (the default, "end_turn", closes the turn as
+        # written): the transcript shows what the model wrote, and the cut turn counts as a step.
         steps += 1
         messages.append({"role": "assistant", "content": cut, "cut": "max_new_tokens"})
     roles = ep.roles
