@@ -69,8 +69,8 @@ def replay(suite: Suite, task: Task, messages: list[dict]) -> ReplayResult:
     """Execute the assistant tool calls in `messages` through a fresh env, in order, and score.
 
     Tool messages of the input are replaced by the real responses (and compared with them). Later
-    user turns are kept, or, for an env with `next_user_message()` (BFCL's turn protocol), taken
-    from the env at the same position. Other messages are kept as they are."""
+    user turns are taken from `env.next_user_message(reply)` at the same position (BFCL's turn
+    protocol), or kept when it returns None. Other messages are kept as they are."""
     env = suite.make_env()
     try:
         env.reset(task)
@@ -79,7 +79,6 @@ def replay(suite: Suite, task: Task, messages: list[dict]) -> ReplayResult:
         calls: list[ToolCall] = []
         mismatches: list[int] = []
         pending: list[int] = []          # indices of results still waiting for an input tool message
-        next_user = getattr(env, "next_user_message", None)
         for m in messages:
             role = m.get("role")
             if role == "tool":
@@ -89,10 +88,12 @@ def replay(suite: Suite, task: Task, messages: list[dict]) -> ReplayResult:
                         mismatches.append(i)
                 continue
             pending = []
-            if role == "user" and next_user is not None:
+            if role == "user":
                 # Multi-turn envs (BFCL) hand out later user turns themselves and may change state
-                # when they do (miss_func adds tools): take the turn from the env, not the record.
-                nxt = next_user()
+                # when they do (miss_func adds tools): take the turn from the env (protocol:
+                # next_user_message(reply)), not the record; an env without one keeps the record's.
+                reply = next((x for x in reversed(out) if x.get("role") == "assistant"), None)
+                nxt = env.next_user_message(reply)
                 m = nxt if nxt is not None else m
             out.append(m)
             if role == "assistant" and m.get("tool_calls"):

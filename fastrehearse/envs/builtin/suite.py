@@ -37,6 +37,10 @@ class BuiltinEnv(ToolEnv):
     Protocol (fastrehearse.envs.base): one user turn (no next_user_message), tools fixed at reset
     (`tools` None), arguments checked by the driver against the schemas, no stop tool."""
 
+    tools = None                  # fixed at reset
+    validates_calls = False       # the engine checks names and schemas (execute checks again)
+    control_tools = frozenset()   # no stop tool: a text reply ends the task
+
     def __init__(self) -> None:
         self.world: dict[str, Any] | None = None
         self.tool_names: list[str] = []     # the task's visible tools (execute refuses others)
