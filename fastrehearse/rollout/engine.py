@@ -341,7 +341,7 @@ class _Row:
         if self.force(self.tmpl.remainder("assistant_to_tool", end_marker)):
             self._next_call()
 
-    def _after_reply(self, msg: dict, marker: str) -> None:
+    def _after_reply(self, msg: dict, marker: str | None) -> None:
         """A text reply ended the agent's turn: the environment's next user turn, or the end."""
         env = self.env
         if env is None or env.finished:
