@@ -230,3 +230,37 @@ def test_cut_turns_close_as_written_or_end_the_episode():
         for k in (2, 5):
             i = acts[k] + 1
             assert ep.input_ids[i:i + len(end)] == end and set(ep.roles[i:i + len(end)]) == {int(Role.CONTEXT)}
+
+
+# A Mistral-style structure: the tool list is rendered just before the *last* user message.
+TOOLS_NEAR_LAST_USER = (
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'user' %}"
+    "{%- if loop.last or messages[loop.index0 + 1:] | selectattr('role', 'equalto', 'user') | list | length == 0 %}"
+    "{%- if tools %}{{- '[TOOLS]' + (tools | map(attribute='function') | map(attribute='name') | join(',')) + '[/TOOLS]' }}{%- endif %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>user\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- elif m['role'] == 'tool' %}{{- '<|im_start|>tool\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_changed_tools_are_rendered_where_the_template_puts_them():
+    """With a template that lists tools before the latest user message, the user turn that adds
+    `mul` is preceded by the new tool list (add, lookup, finish, mul); with ChatML (tools in the
+    system turn, never re-rendered) the user turns carry no tool list."""
+    task = Task("mt-4", "test", {"question": "Add 2 and 3.", "answer": "5", "user_turns": ["Now 3*4."],
+                                 "add_tool_at": 1})
+    for template, expect in ((TOOLS_NEAR_LAST_USER, "[TOOLS]add,lookup,finish,mul[/TOOLS]"), (None, None)):
+        tmpl = ChatTemplate(smollm2_tokenizer(), template)
+        res = engine(tmpl).rollout([task], MultiTurnCalcEnv, policy=ScriptedPolicy(["5.", "12."]))
+        ep = res.episodes[0]
+        assert ep.metadata["tools_changed"] == [1] and ep.metadata["user_turns"] == 1
+        after = tmpl.tokenizer.decode(ep.input_ids[ep.metadata["prompt_tokens"]:])
+        prompt = tmpl.tokenizer.decode(ep.input_ids[:ep.metadata["prompt_tokens"]])
+        if expect:
+            assert "[TOOLS]add,lookup,finish[/TOOLS]" in prompt
+            assert expect in after and after.index(expect) < after.index("Now 3*4.")
+        else:
+            assert "mul" not in after and "<tools>" in prompt and "<tools>" not in after
