@@ -179,6 +179,8 @@ def load_model(spec: str | os.PathLike, *, dtype: torch.dtype | str = torch.floa
             model, tok = _load_gguf(path, dtype, cache)
         else:
             model, tok = _load_hf_dir(path, dtype)
+    from .adapter import check_lm_head
+    check_lm_head(model)   # a head the kernels cannot express is refused here, not mid-training
     model.set_attn_implementation(ATTN_IMPL)
     model.to(device)
     model.eval()

@@ -575,8 +575,8 @@ def _rl_head(cfg: TrainConfig, b, token_counts, w):
     from fastrehearse.kernels import linear_policy_loss
     pcfg = cfg.algo.loss
 
-    def head(hidden, weight):
-        kw = {"ref_logp": b.ref_logp}
+    def head(hidden, weight, **head_kw):   # head_kw: the model's LM-head settings (bias, soft-cap, scale)
+        kw = {"ref_logp": b.ref_logp, **head_kw}
         if w is None:
             kw["normalizers"] = token_counts.to(hidden.device)
         else:
@@ -602,9 +602,9 @@ def _sft_head(cfg: TrainConfig, b, token_counts):
     w_role[int(Role.OBSERVED)] = cfg.sft.w_observed
     scale = torch.where(token_counts > 0, w_role / token_counts.clamp_min(1), torch.zeros_like(w_role))
 
-    def head(hidden, weight):
+    def head(hidden, weight, **head_kw):
         mask = scale.to(b.roles.device)[b.roles] > 0
-        logp, _ = linear_logprobs(hidden, weight, b.targets, mask=mask)
+        logp, _ = linear_logprobs(hidden, weight, b.targets, mask=mask, **head_kw)
         c = scale.to(hidden.device, torch.float32)[b.roles]
         return _CE(loss=-(logp * c).sum(), logp=logp.detach(), roles=b.roles)
     return head
@@ -637,8 +637,8 @@ def compute_logprobs(module: nn.Module, batches, cfg: TrainConfig) -> list[torch
     module.eval()
     out = []
     for b in batches:
-        out.append(module(b, lambda h, w: linear_logprobs(h, w, b.targets, mask=b.roles != 0,
-                                                          temperature=temp)[0]).float())
+        out.append(module(b, lambda h, w, **head_kw: linear_logprobs(
+            h, w, b.targets, mask=b.roles != 0, temperature=temp, **head_kw)[0]).float())
     return out
 
 
