@@ -1,4 +1,11 @@
-"""BuiltinSuite / BuiltinEnv: the embedded default environment (no downloads, pure Python)."""
+"""BuiltinSuite / BuiltinEnv: the embedded default environment (no downloads, pure Python).
+
+Held-out tool family: a level may name a tool family (a DOMAINS key: accounts, shop, calendar,
+convert) after "@": "mixed@-calendar" = mixed levels without any calendar tool (the train side: no
+calendar tool is ever exposed, called or named), "mixed@calendar" = calendar tasks only (the test
+side: tools never seen in training). The family is part of `level` so every caller that passes a
+level (the trainer's env.options, `fastrehearse eval --categories test:mixed@calendar`) can select it.
+"""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -15,6 +22,19 @@ LEVEL_PRESETS = {"easy": (0,), "mixed": (1, 2, 3), "all": (0, 1, 2, 3), "hard": 
 TOOL_MODES = ("auto", "task", "domain", "all")
 SPLITS = ("train", "test")
 _DOMAIN_OF = {t: d for d, ts in DOMAINS.items() for t in ts}
+
+
+def parse_level_spec(level: int | str | Sequence[int]) -> tuple[tuple[int, ...], frozenset[str] | None]:
+    """level [@FAMILY | @-FAMILY] -> (levels, allowed tool families or None for all)."""
+    if not (isinstance(level, str) and "@" in level):
+        return parse_levels(level), None
+    base, _, fam = level.partition("@")
+    name = fam[1:] if fam.startswith("-") else fam
+    if name not in DOMAINS:
+        raise ValueError(f"level={level!r}: after '@' expected a tool family (or '-' and one) from "
+                         f"{sorted(DOMAINS)}, got {fam!r}")
+    families = frozenset(DOMAINS) - {name} if fam.startswith("-") else frozenset({name})
+    return parse_levels(base), families
 
 
 def parse_levels(level: int | str | Sequence[int]) -> tuple[int, ...]:
@@ -69,6 +89,9 @@ class BuiltinSuite(Suite):
 
     level: "easy" (= 0: one spelled-out call; success = that call was made), "mixed" (= 1,2,3,
         default), "all", "hard" (= 3), an int 0-3, or a list of ints. Tasks rotate over the levels.
+        A string level may end in "@FAMILY" (only that tool family's tasks, e.g. "mixed@calendar")
+        or "@-FAMILY" (every family but that one, tools included: "mixed@-calendar"): a held-out
+        tool family for training on one and testing on the other (docs/learning.md).
     n_train / n_test: how many tasks `tasks(split)` returns when no limit is given (any index is valid;
         tasks are generated on demand and cached).
     tools: which tool schemas the model sees: "auto" (the task's domain tools, e.g. all 3 account
@@ -81,7 +104,7 @@ class BuiltinSuite(Suite):
 
     def __init__(self, level: int | str | Sequence[int] = "mixed", n_train: int = 2000, n_test: int = 300,
                  tools: str = "auto", easy_answer: bool = False, seed: int = 0) -> None:
-        self.levels = parse_levels(level)
+        self.levels, self.families = parse_level_spec(level)
         for arg, v in (("n_train", n_train), ("n_test", n_test), ("seed", seed)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{arg}={v!r}: expected an int >= 0")
@@ -98,10 +121,10 @@ class BuiltinSuite(Suite):
         key = (split, i)
         if key not in self._cache:
             level = self.levels[i % len(self.levels)]
-            g = generate(split, level, i // len(self.levels), self.seed)
+            g = generate(split, level, i // len(self.levels), self.seed, self.families)
             gold = g.pop("gold")
-            if self.tool_mode == "all":
-                g["tools"] = list(SCHEMAS)
+            if self.tool_mode == "all":   # every tool of the allowed families
+                g["tools"] = [t for t in SCHEMAS if self.families is None or _DOMAIN_OF[t] in self.families]
             elif self.tool_mode == "task":   # only the tools the gold solution uses (short prompts)
                 used = {tc["function"]["name"] for m in gold for tc in m.get("tool_calls") or []}
                 g["tools"] = [t for t in SCHEMAS if t in used]
@@ -110,6 +133,8 @@ class BuiltinSuite(Suite):
                                     key=list(SCHEMAS).index)
             g["checks"] = ["calls", "state"] + (["answer"] if level > 0 or self.easy_answer else [])
             tag = f"s{self.seed}-" if self.seed else ""
+            if self.families is not None:   # a family-filtered task i differs from the unfiltered one
+                tag += "+".join(sorted(self.families)) + "-"
             self._cache[key] = Task(id=f"builtin-{tag}{split}-L{level}-{i:05d}", split=split,
                                     payload=g, gold=gold)
         return self._cache[key]

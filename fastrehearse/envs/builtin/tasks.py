@@ -13,6 +13,10 @@ Levels
 Splits are disjoint twice over: train worlds use even seeds and test worlds odd seeds, and each task's
 entity combination (template + the entities the request names, e.g. an owner name and an account
 type) is hashed into a bucket that belongs to exactly one split.
+
+Tool families: `generate(..., families=...)` keeps only tasks whose exposed and called tools all lie in
+the given families (DOMAINS keys). That makes a held-out tool family: train on every family but one
+(e.g. all but "calendar") and test on that family alone -- tools the policy never saw in training.
 """
 from __future__ import annotations
 
@@ -351,18 +355,47 @@ TEMPLATES: dict[int, list[Callable]] = {
 }
 
 
+# The tool families each template can use (None: level 0 picks any single tool; `generate` checks
+# every draft's tools anyway, so this map only decides which templates rotate under a family filter).
+TEMPLATE_FAMILIES: dict[str, frozenset[str] | None] = {
+    "easy": None,
+    "balance_by_id": frozenset({"accounts"}), "stock_by_sku": frozenset({"shop"}),
+    "order_status_by_id": frozenset({"shop"}), "convert_units": frozenset({"convert"}),
+    "events_count": frozenset({"calendar"}),
+    "balance_by_owner": frozenset({"accounts"}), "stock_by_name": frozenset({"shop"}),
+    "latest_order_status": frozenset({"shop"}), "event_location": frozenset({"calendar"}),
+    "price_in_currency": frozenset({"shop", "convert"}),
+    "transfer_between_owners": frozenset({"accounts"}), "pay_in_currency": frozenset({"accounts", "convert"}),
+    "order_product": frozenset({"shop"}), "cancel_latest_open_order": frozenset({"shop"}),
+    "reschedule": frozenset({"calendar"}),
+}
+_FAMILY_OF = {t: d for d, ts in DOMAINS.items() for t in ts}
+
+
+def templates_for(level: int, families: frozenset[str] | None = None) -> list[Callable]:
+    """The templates of `level` that can produce a task within `families` (None: all)."""
+    if families is None:
+        return TEMPLATES[level]
+    return [t for t in TEMPLATES[level]
+            if TEMPLATE_FAMILIES[t.__name__] is None or TEMPLATE_FAMILIES[t.__name__] <= families]
+
+
 def split_of(combo: tuple) -> str:
     h = int(hashlib.sha256(json.dumps(combo, default=str).encode()).hexdigest()[:8], 16)
     return "test" if h % TEST_BUCKETS == 0 else "train"
 
 
-def generate(split: str, level: int, index: int, suite_seed: int = 0) -> dict[str, Any]:
+def generate(split: str, level: int, index: int, suite_seed: int = 0,
+             families: frozenset[str] | None = None) -> dict[str, Any]:
     """The `index`-th task of (split, level): a dict with prompt, world_seed, gold messages, checks.
 
     Templates rotate with the index; the template's choices (and every few draws the world) are
     re-drawn until the template applies and its entity combination falls in `split`'s buckets
-    (about 1 in 5 draws for test, 4 in 5 for train)."""
-    templates = TEMPLATES[level]
+    (about 1 in 5 draws for test, 4 in 5 for train). families: only tasks whose exposed and called
+    tools all belong to these tool families (None: any)."""
+    templates = templates_for(level, families)
+    if not templates:
+        raise ValueError(f"level {level} has no task using only the tool families {sorted(families)}")
     template = templates[index % len(templates)]
     for attempt in range(1000):
         h = hashlib.sha256(f"builtin|{suite_seed}|{split}|{level}|{index}|{attempt}".encode()).hexdigest()
@@ -373,6 +406,10 @@ def generate(split: str, level: int, index: int, suite_seed: int = 0) -> dict[st
         script = Script(world)
         draft = template(world, random.Random(h), script)
         if draft is None or split_of(draft.combo) != split:
+            continue
+        if families is not None and not {_FAMILY_OF[t] for t in draft.tools} | {
+                _FAMILY_OF[c["function"]["name"]] for m in script.messages for c in m.get("tool_calls") or []
+        } <= families:
             continue
         return {"prompt": draft.prompt, "world_seed": world_seed, "level": level,
                 "template": template.__name__, "tools": draft.tools, "answer": draft.answer,
