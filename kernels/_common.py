@@ -122,6 +122,41 @@ def grad_dtype(w: torch.Tensor) -> torch.dtype:
     return w.dtype if w.is_cuda else torch.float32
 
 
+# One-pass fused policy loss (kernels/policy_loss.py, row-chunked: a chunk holds whole rows of
+# logits, its dZ^T X_c is added into one fp32 V x H dW accumulator). Its workspace = that
+# accumulator + the chunk's buffers. Few chunks make the accumulator's read-modify-write cheap:
+# with K = rows, its 8 bytes per element are hidden behind the GEMM's FLOPs from ~740 rows on an
+# H200 (790 TFLOP/s, 4.3 TB/s; benchmarks/roofline.py). At H=4096, V=128256 the accumulator
+# alone is 1.96 GiB and 3 GiB leaves ~1400 rows per chunk (12 chunks at N=16384).
+FUSED_WORKSPACE_BYTES_CUDA = 3 << 30
+
+
+def fused_loss_rows(n: int, v: int, device: torch.device, *, elem_bytes: int, fixed_bytes: int,
+                    workspace_bytes: int | None = None, chunk_size: int | None = None) -> int:
+    """Rows per chunk of the one-pass fused loss.
+
+    Workspace = `fixed_bytes` (the fp32 V x H dW accumulator when dW is needed, plus any other
+    V x H copy the path makes) + rows x V x `elem_bytes` (the chunk's fp32 logits, pre-cap
+    logits, low-precision dZ). `chunk_size` overrides. Without a budget: on CUDA
+    FUSED_WORKSPACE_BYTES_CUDA, but never fewer rows than `chunk_rows` (the 256 MiB logits
+    chunks used before the budget existed); on the CPU `chunk_rows` (32 MiB chunks). A budget
+    that cannot hold `fixed_bytes` plus one row is refused.
+    """
+    if chunk_size is not None or (workspace_bytes is None and device.type != "cuda"):
+        return chunk_rows(n, v, device, chunk_size)
+    budget = FUSED_WORKSPACE_BYTES_CUDA if workspace_bytes is None else workspace_bytes
+    rows = (budget - fixed_bytes) // (max(v, 1) * elem_bytes)
+    if workspace_bytes is None:
+        rows = max(rows, chunk_rows(n, v, device))
+    elif rows < 1:
+        raise ValueError(f"workspace_bytes={workspace_bytes} cannot hold the fused loss's "
+                         f"{fixed_bytes}-byte fp32 dW accumulator plus one {v * elem_bytes}-byte "
+                         f"row of logits; raise it or use fused=False")
+    if rows >= 128:
+        rows -= rows % 64       # GEMM-friendly row counts
+    return max(1, min(int(rows), max(n, 1)))
+
+
 def check_workspace_bytes(workspace_bytes) -> int | None:
     if workspace_bytes is None:
         return None

@@ -29,7 +29,10 @@ compacted out with CONTEXT: no projection work, exactly zero gradient, logp repo
 Fused path: dl/dlogp and dl/dH are known as soon as logp and H are, so each chunk does
 Z = X_c W^T -> row stats -> per-token dl/dlogp, dl/dH -> dZ in place -> dX_c = dZ W,
 dW += dZ^T X_c. Backward only scales the stored dX, dW (, d bias) by grad_output. 6NHV instead
-of 8NHV. A sequence-level ratio couples the tokens of a sequence (its gradient needs every logp
+of 8NHV. dW accumulates in fp32 across chunks (a V x H accumulator, read and written once per
+chunk), so the chunk size comes from a workspace budget that counts that accumulator
+(`workspace_bytes`, `_common.fused_loss_rows`): few, large chunks hide its traffic behind the
+dW GEMM's FLOPs. A sequence-level ratio couples the tokens of a sequence (its gradient needs every logp
 of the sequence first), so importance_sampling="sequence" runs the unfused path (8NHV).
 Unfused path: `linear_logprobs` + the same loss written as plain autograd torch (the reference).
 """
@@ -43,10 +46,12 @@ from typing import Sequence
 
 import torch
 
-from ._common import check_linear_inputs, check_targets, chunk_rows, resolve_backend
+from ._common import (check_linear_inputs, check_targets, check_workspace_bytes, fused_loss_rows,
+                      resolve_backend)
 from ._rowmath import row_stats
 from ._head import build_head
 from .linear_logprobs import chunk_grad, head_logits, linear_logprobs
+from ._vocab_outer import block_elem_bytes
 from .roles import NUM_ROLES, Role
 
 __all__ = ["PolicyLossConfig", "PolicyLossOutput", "linear_policy_loss"]
@@ -287,6 +292,25 @@ class _Plan:
         self.__dict__.update(kw)
 
 
+def _fast_torch(backend, with_entropy, head) -> bool:
+    """The torch backend without entropy: dZ = diag(g1) (onehot - E / S) with E = exp(s - m), so
+    the chunk needs only amax, sub_, exp_, sum; -g1 / S scales the [C, H] operands instead.
+    (Not with an LM-head variant: the head transform sits between the GEMM and the rows.)"""
+    return backend == "torch" and not with_entropy and head is None
+
+
+def _chunk_rows(n, w, head, fast, grad, need_dw, workspace_bytes, chunk_size):
+    """Rows per chunk of _fused_sweep from the workspace it holds (see _common.fused_loss_rows):
+    per row of a chunk its fp32 logits (+ pre-cap logits, + a low-precision dZ when there is a
+    gradient); fixed: the fp32 V x H dW accumulator, and the torch fast path's fp32 weight copy."""
+    v, h = w.shape
+    pre = 4 if head is not None and head.needs_pre else 0
+    elem = 4 if fast else (block_elem_bytes(w, head) if grad else 4 + pre)
+    fixed = (v * h * 4 if need_dw else 0) + (v * h * 4 if fast and w.dtype != torch.float32 else 0)
+    return fused_loss_rows(n, v, w.device, elem_bytes=elem, fixed_bytes=fixed,
+                           workspace_bytes=workspace_bytes, chunk_size=chunk_size)
+
+
 class _FusedPolicyLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, plan):
@@ -328,10 +352,7 @@ def _fused_sweep(x, w, plan, need_dx, need_dw, need_db=False):
     db = torch.zeros(v, device=dev, dtype=torch.float32) if need_db else None
     grad = need_dx or need_dw or need_db
     inv_temp = plan.inv_temp
-    # torch backend without entropy: dZ = diag(g1) (onehot - E / S) with E = exp(s - m), so
-    # the chunk needs only amax, sub_, exp_, sum; -g1 / S scales the [C, H] operands instead.
-    # (Not with an LM-head variant: the head transform sits between the GEMM and the rows.)
-    fast = plan.backend == "torch" and not plan.with_entropy and head is None
+    fast = plan.fast
     w32 = (w if w.dtype == torch.float32 else w.float()) if fast else None
     for s in range(0, n, plan.chunk):
         e = min(n, s + plan.chunk)
@@ -500,7 +521,8 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
                        check_finite: bool = True,
                        chunk_size: int | None = None, bias: torch.Tensor | None = None,
                        logit_softcap: float | None = None, logit_scale: float | None = None,
-                       seq_ids: torch.Tensor | None = None) -> PolicyLossOutput:
+                       seq_ids: torch.Tensor | None = None,
+                       workspace_bytes: int | None = None) -> PolicyLossOutput:
     """Role-wise GRPO loss of the tokens `targets` under softmax(head(hidden @ weight.T) / T).
 
     Args:
@@ -525,6 +547,12 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
         bias, logit_softcap, logit_scale: LM-head variants, as in `linear_logprobs`.
         seq_ids: [N] integer sequence id of each token; required by
             importance_sampling="sequence" (each sequence must lie wholly in this call).
+        chunk_size: rows per chunk of the fused sweep (default: from `workspace_bytes`).
+        workspace_bytes: memory the fused path may use besides the dX / dW it returns: the fp32
+            V x H dW accumulator plus the chunk's logits buffers; rows per chunk follow (see
+            `_common.fused_loss_rows`; default on CUDA 3 GiB, on the CPU 32 MiB logits chunks).
+            Refused when it cannot hold the accumulator plus one row. The unfused path passes it
+            to `linear_logprobs` (its vocabulary-outer backward's budget).
     """
     cfg = PolicyLossConfig() if config is None else config
     if not isinstance(cfg, PolicyLossConfig):
@@ -545,6 +573,7 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
         raise ValueError("importance_sampling='sequence' (GSPO) needs seq_ids: an [N] integer "
                          "tensor giving each token's sequence")
     backend = resolve_backend(backend, dev)
+    workspace_bytes = check_workspace_bytes(workspace_bytes)
     head, inv_temp = build_head(bias, logit_softcap, logit_scale, weight,
                                 1.0 / float(cfg.temperature))
     head_kw = dict(bias=bias, logit_softcap=logit_softcap, logit_scale=logit_scale)
@@ -576,14 +605,17 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
     x_c = hidden.index_select(0, rows)
 
     if fused and not seq_level:
+        grad_on = torch.is_grad_enabled()
         plan = _Plan(t=t_c.long().contiguous(), roles=r_c, adv=adv_c, old=old_c, ref=ref_c,
                      scale=scale, cfg=cfg, inv_temp=inv_temp, with_entropy=with_ent,
-                     backend=backend, head=head,
-                     chunk=chunk_rows(rows.numel(), v, dev, chunk_size))
-        grad_on = torch.is_grad_enabled()
-        plan.need_dx = grad_on and hidden.requires_grad
-        plan.need_dw = grad_on and weight.requires_grad
-        plan.need_db = grad_on and head is not None and bias is not None and bias.requires_grad
+                     backend=backend, head=head, fast=_fast_torch(backend, with_ent, head),
+                     need_dx=grad_on and hidden.requires_grad,
+                     need_dw=grad_on and weight.requires_grad,
+                     need_db=(grad_on and head is not None and bias is not None
+                              and bias.requires_grad))
+        plan.chunk = _chunk_rows(rows.numel(), weight, head, plan.fast,
+                                 plan.need_dx or plan.need_dw or plan.need_db, plan.need_dw,
+                                 workspace_bytes, chunk_size)
         b = bias if head is not None else None
         if plan.need_dx or plan.need_dw or plan.need_db:
             loss = _FusedPolicyLoss.apply(x_c.contiguous(), weight.contiguous(), b, plan)
@@ -595,7 +627,8 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
     else:
         lp_c, ent_c = linear_logprobs(x_c, weight, t_c, temperature=cfg.temperature,
                                       with_entropy=with_ent, backend=backend,
-                                      chunk_size=chunk_size, **head_kw)
+                                      chunk_size=chunk_size, workspace_bytes=workspace_bytes,
+                                      **head_kw)
         l = token_loss(lp_c, ent_c, r_c, adv_c, old_c, ref_c, cfg, seq_c)
         contrib = l * scale
         loss = contrib.sum()

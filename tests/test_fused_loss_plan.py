@@ -1,0 +1,92 @@
+"""The fused policy loss's chunk plan (`_common.fused_loss_rows`, `workspace_bytes=`): the budget
+counts the fp32 V x H dW accumulator, bad budgets are refused, and budget-sized chunks (several,
+with an odd last one) still match a float64 reference through the Triton interpreter."""
+import pytest
+import torch
+
+from _kernel_ref import rel_err
+from fastrehearse.kernels import PolicyLossConfig, linear_policy_loss, policy_loss
+from fastrehearse.kernels._common import (FUSED_WORKSPACE_BYTES_CUDA, chunk_rows,
+                                          fused_loss_rows)
+from test_policy_loss import TOL, make_batch, reference
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")     # device objects only: no GPU needed
+
+
+def test_default_cuda_plan_counts_the_fp32_accumulator():
+    n, h, v = 16384, 4096, 128256
+    acc = v * h * 4                                        # 1.96 GiB
+    rows = fused_loss_rows(n, v, CUDA, elem_bytes=6, fixed_bytes=acc)   # fp32 Z + bf16 dZ
+    assert rows == 1408 and rows % 64 == 0                 # 12 chunks instead of 32 x 512
+    assert acc + rows * v * 6 <= FUSED_WORKSPACE_BYTES_CUDA < acc + (rows + 64) * v * 6
+    # a caller budget: exactly what it holds, the accumulator counted
+    assert fused_loss_rows(n, v, CUDA, elem_bytes=6, fixed_bytes=acc,
+                           workspace_bytes=acc + 100 * v * 6) == 100
+    with pytest.raises(ValueError, match=r"workspace_bytes=1610612736 cannot hold .* fused=False"):
+        fused_loss_rows(n, v, CUDA, elem_bytes=6, fixed_bytes=acc, workspace_bytes=3 << 29)
+
+
+def test_default_never_below_the_old_chunks_and_cpu_unchanged():
+    # an accumulator above the default budget: the default falls back to chunk_rows' chunks
+    # (256 MiB of fp32 logits) rather than refusing; only an explicit budget is refused
+    n, h, v = 16384, 8192, 256000
+    assert fused_loss_rows(n, v, CUDA, elem_bytes=6, fixed_bytes=v * h * 4) \
+        == chunk_rows(n, v, CUDA)
+    assert fused_loss_rows(5000, 3000, CPU, elem_bytes=4, fixed_bytes=10 ** 9) \
+        == chunk_rows(5000, 3000, CPU)
+    assert fused_loss_rows(5000, 3000, CUDA, elem_bytes=4, fixed_bytes=0, chunk_size=7) == 7
+    assert fused_loss_rows(50, 3000, CUDA, elem_bytes=4, fixed_bytes=0) == 50   # all rows
+
+
+def _recorded_rows(monkeypatch):
+    seen = []
+    real = policy_loss.fused_loss_rows
+
+    def spy(*a, **kw):
+        seen.append(real(*a, **kw))
+        return seen[-1]
+    monkeypatch.setattr(policy_loss, "fused_loss_rows", spy)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cfg", [PolicyLossConfig(w_observed=0.5),
+                                 PolicyLossConfig(kl_coef=0.3, entropy_coef=0.05, temperature=0.8,
+                                                  dual_clip=2.0)], ids=["clip", "k3_entropy"])
+def test_budgeted_chunks_match_float64_reference(monkeypatch, dtype, cfg):
+    batch = make_batch(n=83, h=16, v=257, seed=5, temperature=cfg.temperature)
+    batch["hidden"], batch["weight"] = batch["hidden"].to(dtype), batch["weight"].to(dtype)
+    ref_loss, ref_dx, ref_dw = reference(batch, cfg)        # float64 of the same (rounded) inputs
+    v, h = batch["weight"].shape
+    # CPU: dZ in fp32 in place (4 bytes a logit); the fixed part is the fp32 dW accumulator
+    budget = v * h * 4 + 17 * v * 4
+    seen = _recorded_rows(monkeypatch)
+    x = batch["hidden"].clone().requires_grad_()
+    w = batch["weight"].clone().requires_grad_()
+    out = linear_policy_loss(x, w, batch["targets"], batch["roles"], batch["advantages"],
+                             batch["old_logp"], cfg, ref_logp=batch["ref_logp"], fused=True,
+                             backend="triton", workspace_bytes=budget)
+    out.loss.backward()
+    n_loss = sum(int(m["tokens"]) for k, m in out.metrics.items()
+                 if k != "observed" or cfg.w_observed)
+    assert seen == [17] and n_loss > 2 * 17 and n_loss % 17 != 0   # >= 3 chunks, odd last one
+    assert abs(out.loss.item() - ref_loss.item()) <= TOL * max(1.0, abs(ref_loss.item()))
+    # dX / dW are returned in the input dtype: fp16 adds its rounding (<= 2^-11 relative)
+    out_tol = TOL + (2.0 ** -11 if dtype == torch.float16 else 0.0)
+    assert rel_err(x.grad, ref_dx) <= out_tol and rel_err(w.grad, ref_dw) <= out_tol
+    assert torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()
+
+
+def test_bad_workspace_bytes_refused():
+    b = make_batch(n=12, seed=30)
+    call = lambda **kw: linear_policy_loss(  # noqa: E731
+        b["hidden"].requires_grad_(), b["weight"].requires_grad_(), b["targets"], b["roles"],
+        b["advantages"], b["old_logp"], PolicyLossConfig(), backend="triton", **kw)
+    for bad in (0, -5, True, 1.5, "1GiB"):
+        with pytest.raises(ValueError, match="workspace_bytes must be a positive int"):
+            call(workspace_bytes=bad)
+    v, h = b["weight"].shape
+    with pytest.raises(ValueError, match="cannot hold the fused loss's"):
+        call(workspace_bytes=v * h * 4)                     # the accumulator, no room for a row
+    call(workspace_bytes=v * h * 4, fused=False)            # unfused: linear_logprobs' budget
