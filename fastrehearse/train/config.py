@@ -534,6 +534,8 @@ def resume_changes(old: dict, new: dict) -> tuple[list, list]:
     for k in sorted(b):
         if k not in a or a[k] == b[k]:
             continue
+        if k == "algo.loss.temperature" and a[k] is None:   # configs written before it was resolved
+            continue
         ok = any(k == p or (p.endswith(".") and k.startswith(p)) for p in RESUME_MAY_CHANGE)
         (allowed if ok else forbidden).append((k, a[k], b[k]))
     return allowed, forbidden
