@@ -5,8 +5,10 @@
 
 For every method of bench_logprobs.py / bench_policy_loss.py (ours as `ours-logprobs` and
 `ours-fused-loss` in labelled designs, `design_key`: "row-chunked" with the V x H fp32 dW
-accumulator, "vocab-outer" as kernels/_vocab_outer.py does it with the code's own block plan,
-and for the fused loss a HYPOTHETICAL "bf16-acc"; which one the code runs is in `design`) and
+accumulator and 256 MiB logits chunks, "vocab-outer" as kernels/_vocab_outer.py does it with the
+code's own block plan; for the fused loss "budgeted" (row-chunked, chunks from the code's own
+`fused_loss_rows` workspace plan), a HYPOTHETICAL two-sweep "vocab-outer" and a HYPOTHETICAL
+"bf16-acc"; which one the code runs is in `design`) and
 every shape, the model lists the pieces one fwd+bwd runs (GEMMs, logits passes,
 row kernels, dW / dX accumulators, small-op launches), each with its FLOPs and HBM bytes, and
 predicts a piece's time as its roofline max(FLOPs / matmul rate, bytes / bandwidth) (`predicted_ms`,
@@ -93,7 +95,7 @@ class Design:
     pieces: list = field(default_factory=list)
     workspace: float = 0.0
     notes: str = ""
-    key: str = "reference"       # ours: "row-chunked" (current CUDA path) or "vocab-outer"
+    key: str = "reference"       # ours: "row-chunked", "vocab-outer", "budgeted", "bf16-acc"
 
 
 # ---- methods ------------------------------------------------------------------------------------
@@ -280,22 +282,40 @@ def ours_logprobs(n, h, v, design, budget):
 FUSED_LOSS_OPS = 35    # per chunk: per-token loss terms + derivatives + metrics (kernels/policy_loss.py)
 
 
-def ours_fused_loss(n, h, v, design, budget):
+def _fused_rows(n, h, v, fused_budget):
+    """kernels/policy_loss.py's rows per chunk on CUDA, from the code's own helper: bf16 weights,
+    no head variant, dX and dW wanted -> fp32 Z + bf16 dZ per logit, the fp32 V x H dW
+    accumulator fixed (`_common.fused_loss_rows`, default FUSED_WORKSPACE_BYTES_CUDA)."""
+    import torch
+    from fastrehearse.kernels._common import fused_loss_rows
+    return fused_loss_rows(n, v, torch.device("cuda"), elem_bytes=F32 + BF16,
+                           fixed_bytes=v * h * F32,
+                           workspace_bytes=int(fused_budget) if fused_budget else None)
+
+
+def ours_fused_loss(n, h, v, design, budget, fused_budget=None):
     c = _ours_chunk(n, v)
+    if design == "budgeted":       # the current code: rows from the workspace budget
+        c = _fused_rows(n, h, v, fused_budget)
     k = math.ceil(n / c)
-    fwd = _row_chunked_forward(n, h, v, c, k, FUSED_LOSS_OPS,
+    cw = n / k                     # the average chunk (the last one may be narrower)
+    fwd = _row_chunked_forward(n, h, v, cw, k, FUSED_LOSS_OPS,
                                "per-token loss terms + derivatives (small torch ops per chunk)")
-    if design == "row-chunked":
-        return Design("ours-fused-loss", "one pass, row-chunked, V x H fp32 dW read-modify-write "
-                      "(the current CUDA path)", "fused (triton)", False, 6,
-                      fwd + _row_chunked_backward(n, h, v, c, k, recompute=False),
+    if design in ("row-chunked", "budgeted"):
+        what = ("one pass, row-chunked, V x H fp32 dW read-modify-write per chunk, "
+                + ("chunks from a workspace budget counting the accumulator (the current CUDA "
+                   "path, _common.fused_loss_rows)" if design == "budgeted" else
+                   "256 MiB logits chunks (the CUDA path before commit 174ba20)"))
+        return Design("ours-fused-loss", what, "fused (triton)", False, 6,
+                      fwd + _row_chunked_backward(n, h, v, cw, k, recompute=False),
                       workspace=v * h * F32 + c * v * (F32 + BF16), key=design,
-                      notes=f"{c}-row chunks; gradients made in the forward (6NHV)")
+                      notes=f"{k} chunks of <= {c} rows; gradients made in the forward (6NHV); "
+                            f"workspace: fp32 dW accumulator + fp32 Z + bf16 dZ of one chunk")
     if design == "bf16-acc":
         pieces = [p for p in fwd if "small torch ops" not in p.name] + [
-            passes("_row_grad_kernel (read fp32 Z, write bf16 dZ)", c * v * (F32 + BF16), k),
-            gemm("dX_c = dZ W", c, h, v, count=k),
-            gemm("dW += dZ^T X_c (bf16 V x H accumulator, fp32 inside the GEMM)", v, h, c,
+            passes("_row_grad_kernel (read fp32 Z, write bf16 dZ)", cw * v * (F32 + BF16), k),
+            gemm("dX_c = dZ W", cw, h, v, count=k),
+            gemm("dW += dZ^T X_c (bf16 V x H accumulator, fp32 inside the GEMM)", v, h, cw,
                  accumulate=True, count=k),
             passes("small torch ops per chunk (per-token terms fused into the row kernel)", 0,
                    k, 3)]
@@ -341,14 +361,14 @@ LOGPROB_METHODS = ["naive", "torch.compile chunked", "F.linear_cross_entropy",
 LOSS_METHODS = ["ours-fused-loss", "unfused (triton)", "liger chunked GRPO"]
 
 
-def designs(n_all, n_unmasked, h, v, budget):
+def designs(n_all, n_unmasked, h, v, budget, fused_budget=None):
     nu = n_unmasked
     out = [naive(n_all, h, v), compile_chunked(nu, h, v), torch_lce(n_all, h, v),
            torch_lce_chunked(n_all, h, v), liger_flce(n_all, h, v), cce(nu, h, v)]
     for d in ("row-chunked", "vocab-outer"):
         out.append(ours_logprobs(nu, h, v, d, budget))
-    for d in ("row-chunked", "vocab-outer", "bf16-acc"):
-        out.append(ours_fused_loss(nu, h, v, d, budget))
+    for d in ("budgeted", "row-chunked", "vocab-outer", "bf16-acc"):
+        out.append(ours_fused_loss(nu, h, v, d, budget, fused_budget))
     out += [ours_unfused(nu, h, v, budget), liger_grpo(n_all, h, v)]
     return out
 
@@ -382,8 +402,10 @@ def record(d: Design, dev_key: str, n: int, h: int, v: int, frac: float) -> dict
                         "launches": p.launches, "ms": round(p.ms(dev), 4)} for p in d.pieces]}
 
 
-def build(dev_key="h200", shapes=None, ns=None, fracs=None, workspace_gib=None) -> list[dict]:
-    """workspace_gib: the vocabulary-outer plan's budget (None: the code's default)."""
+def build(dev_key="h200", shapes=None, ns=None, fracs=None, workspace_gib=None,
+          fused_workspace_gib=None) -> list[dict]:
+    """workspace_gib: the vocabulary-outer plan's budget; fused_workspace_gib: the fused loss's
+    (None: the code's defaults)."""
     shapes = shapes or GPU_SHAPES
     ns = ns or [4096, 16384]
     fracs = fracs or [1.0, 0.5, 0.25]
@@ -392,7 +414,8 @@ def build(dev_key="h200", shapes=None, ns=None, fracs=None, workspace_gib=None) 
         for n in ns:
             for f in fracs:
                 for d in designs(n, round(f * n), h, v,
-                                 workspace_gib * 2 ** 30 if workspace_gib else None):
+                                 workspace_gib * 2 ** 30 if workspace_gib else None,
+                                 fused_workspace_gib * 2 ** 30 if fused_workspace_gib else None):
                     recs.append(record(d, dev_key, n, h, v, f))
     return recs
 
@@ -474,12 +497,16 @@ def main(argv=None):
     ap.add_argument("--workspace-gib", type=float, default=None,
                     help="budget of the vocabulary-outer plan (default: the code's, "
                          "kernels/_common.WORKSPACE_BYTES_CUDA)")
+    ap.add_argument("--fused-workspace-gib", type=float, default=None,
+                    help="the fused loss's workspace_bytes (default: the code's, "
+                         "kernels/_common.FUSED_WORKSPACE_BYTES_CUDA)")
     ap.add_argument("--measured", nargs="*", default=None,
                     help="bench_logprobs/bench_policy_loss GPU JSON files to print beside the "
                          "prediction (default on a CUDA machine: benchmarks/results/*_gpu.json)")
     args = ap.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes else None
-    recs = build(args.device, shapes, args.n, args.fracs, args.workspace_gib)
+    recs = build(args.device, shapes, args.n, args.fracs, args.workspace_gib,
+                 args.fused_workspace_gib)
     measured = args.measured
     if measured is None:
         try:

@@ -133,13 +133,27 @@ def _fake(shape, dtype):
     return torch.empty(shape, device="cuda", dtype=dtype)
 
 
+def _chunks(h: int, v: int) -> list[int]:
+    """Rows per chunk on CUDA: linear_logprobs' forward (chunk_rows) and the fused policy loss's
+    default workspace plan (fp32 Z + bf16 dZ, the fp32 V x H dW accumulator counted)."""
+    from fastrehearse.kernels import _common
+    dev = torch.device("cuda")
+    out = {_common.chunk_rows(N_ROWS, v, dev)}
+    if hasattr(_common, "fused_loss_rows"):
+        out.add(_common.fused_loss_rows(N_ROWS, v, dev, elem_bytes=6, fixed_bytes=v * h * 4))
+    return sorted(out)
+
+
 def recipe_rows(h: int, v: int) -> None:
     """The row kernels of _rows.py as linear_logprobs / linear_policy_loss launch them on CUDA:
     an fp32 [chunk, V] logits block, dZ in the weight dtype (linear_logprobs._grad_dtype)."""
-    from fastrehearse.kernels import _common, _rows
+    for c in _chunks(h, v):
+        _recipe_rows_chunk(h, v, c)
+
+
+def _recipe_rows_chunk(h: int, v: int, c: int) -> None:
+    from fastrehearse.kernels import _rows
     from fastrehearse.kernels.linear_logprobs import _grad_dtype
-    dev = torch.device("cuda")
-    c = _common.chunk_rows(N_ROWS, v, dev)
     z = _fake((c, v), torch.float32)
     t = _fake((c,), torch.int64)
     vec = lambda: _fake((c,), torch.float32)  # noqa: E731
@@ -156,12 +170,16 @@ def recipe_head(h: int, v: int) -> None:
     row-chunked path runs them: u = head(z) on the fp32 GEMM output (into a second block when the
     cap's backward needs z), dL/du from the row kernel in fp32 in place (linear_logprobs.
     chunk_grad), then dL/dz in place."""
-    from fastrehearse.kernels import _common, _rows
     try:
         from fastrehearse.kernels._head import HeadTransform
     except ImportError:    # a checkout without head variants (their kernels are absent too;
         return             # a kernel left unlaunched fails test_every_kernel_is_launched...)
-    c = _common.chunk_rows(N_ROWS, v, torch.device("cuda"))
+    for c in _chunks(h, v):
+        _recipe_head_chunk(h, v, c, HeadTransform)
+
+
+def _recipe_head_chunk(h: int, v: int, c: int, HeadTransform) -> None:
+    from fastrehearse.kernels import _rows
     t = _fake((c,), torch.int64)
     vec = lambda: _fake((c,), torch.float32)  # noqa: E731
     for bias in (None, _fake((v,), DTYPE)):

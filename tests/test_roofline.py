@@ -22,7 +22,7 @@ N, H, V = 16384, 4096, 128256
 def _find(recs, method, key="reference", frac=1.0):
     out = [r for r in recs if r["method"] == method and r["design_key"] == key
            and r["unmasked"] == frac]
-    assert len(out) == 1, (method, design_word, len(out))
+    assert len(out) == 1, (method, key, len(out))
     return out[0]
 
 
@@ -40,7 +40,7 @@ def test_schema_and_every_method_present(recs):
     names = {r["method"] for r in recs}
     assert set(roofline.LOGPROB_METHODS + roofline.LOSS_METHODS) <= names
     # both designs of ours, labelled distinctly
-    for m, extra in (("ours-logprobs", set()), ("ours-fused-loss", {"bf16-acc"})):
+    for m, extra in (("ours-logprobs", set()), ("ours-fused-loss", {"budgeted", "bf16-acc"})):
         keys = {r["design_key"] for r in recs if r["method"] == m and r["unmasked"] == 1.0}
         assert keys == {"row-chunked", "vocab-outer"} | extra
 
@@ -62,6 +62,16 @@ def test_hand_computed_flops_and_bytes(recs):
     assert dw["flops"] == 2 * 512 * V * H
     # ~134 GB of accumulator traffic per fwd+bwd, as issue 17 estimates
     assert 32 * 2 * V * H * 4 == pytest.approx(134.5e9, rel=1e-3)
+    # the current code: chunks from _common.fused_loss_rows' default 3 GiB budget, which counts
+    # the fp32 V x H accumulator: 1408 rows (12 chunks, the last 896 rows)
+    cur = _find(recs, "ours-fused-loss", "budgeted")
+    assert cur["flops"] == pytest.approx(6 * nhv, rel=1e-12)
+    assert cur["workspace_bytes"] == V * H * 4 + 1408 * V * (4 + 2) <= 3 * 2**30
+    dw = next(p for p in cur["pieces"] if p["name"].startswith("dW += "))
+    assert dw["count"] == 12 and dw["bytes"] == pytest.approx(
+        16384 / 12 * (V + H) * 2 + 2 * V * H * 4)
+    # the accumulator traffic is then below the dW GEMM's FLOP time (compute-bound piece)
+    assert dw["bytes"] / 4.3e12 < dw["flops"] / 790e12
     # at 25% unmasked, compacting methods do a quarter of the FLOPs, mask-agnostic ones all
     assert _find(recs, "ours-fused-loss", "row-chunked", 0.25)["flops"] == 6 * nhv // 4
     assert _find(recs, "liger FLCE", frac=0.25)["flops"] == 6 * nhv
@@ -81,7 +91,10 @@ def test_small_shape_piece_times():
 
 def test_targets_and_json(tmp_path, recs):
     t = roofline.targets(recs)
-    assert len(t) == 5
+    assert len(t) == 6
+    fl = next(x for x in t if x["method"] == "ours-fused-loss" and x["design_key"] == "budgeted")
+    assert 1.10 < fl["time_vs_target_floor"] < 1.15 and not fl["time_met"]   # 1.126x PREDICTED
+    assert not fl["workspace_met"]      # the 1.96 GiB fp32 accumulator alone exceeds 1.5 GiB
     cur = next(x for x in t if x["method"] == "ours-logprobs" and x["design_key"] == "row-chunked")
     assert not cur["workspace_met"]                    # the 2 GiB fp32 dW accumulator
     vo = next(x for x in t if x["method"] == "ours-logprobs" and x["design_key"] == "vocab-outer")
