@@ -279,7 +279,11 @@ def ours_logprobs(n, h, v, design, budget):
                         f"fp32 dW_b")
 
 
-FUSED_LOSS_OPS = 35    # per chunk: per-token loss terms + derivatives + metrics (kernels/policy_loss.py)
+# Small kernels per chunk of kernels/policy_loss.py's sweep besides its GEMMs and row kernels:
+# per-token loss terms, derivatives, metric stores. Counted (aten ops under a TorchDispatchMode,
+# Triton path, per extra chunk) for the default PolicyLossConfig (ppo_clip, no KL / entropy):
+# 34 elementwise kernels + 4 stores; with KL and an entropy bonus ~59.
+FUSED_LOSS_OPS = 38
 
 
 def _fused_rows(n, h, v, fused_budget):
