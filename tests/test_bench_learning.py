@@ -82,3 +82,78 @@ def test_bad_family_spec_is_refused(bad):
 def test_plain_levels_unchanged():
     assert parse_level_spec("mixed") == ((1, 2, 3), None)
     assert parse_level_spec("easy@-convert")[1] == frozenset({"accounts", "shop", "calendar"})
+
+
+# ---- the experiment ----------------------------------------------------------------------------
+def _bench(*args, timeout=60):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(BENCH), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_dry_run_prints_the_matched_plan(tmp_path):
+    r = _bench("--dry-run", "--runs", str(tmp_path / "runs"), "--steps", "5", "--seeds", "3")
+    assert r.returncode == 0, r.stderr
+    lines = [ln.strip() for ln in r.stdout.splitlines()]
+    train = [ln for ln in lines if " fastrehearse train " in f" {ln} "]
+    evals = [ln for ln in lines if " fastrehearse eval " in f" {ln} "]
+    assert len(train) == 1 + 4 * 3 and len(evals) == 2 * len(train)
+    assert not any((tmp_path / "runs").iterdir()) if (tmp_path / "runs").exists() else True
+    warm = f"{tmp_path / 'runs'}/warmup/export"
+    for arm, sets in (("sft-only", ["steps=0", "sft.steps=5"]), ("real", ["steps=5", "rollout.mode=real"]),
+                      ("rehearse", ["steps=5", "rollout.mode=rehearse"]),
+                      ("hybrid", ["steps=5", "rollout.hybrid_p=0.3", "algo.loss.w_observed=1.0"])):
+        mine = [ln for ln in train if f"/{arm}-s" in ln]
+        assert len(mine) == 3 and {f"seed={s}" for s in range(3)} == {
+            w for ln in mine for w in ln.split() if w.startswith("seed=")}
+        for ln in mine:   # every arm starts from the one warm-up export, with the same step count
+            assert f"model.spec={warm}" in ln and all(f"--set {x}" in ln for x in sets), ln
+    assert "estimate:" in r.stdout
+    held = [ln for ln in evals if "test:easy@calendar:task:answer" in ln]
+    assert len(held) == len(train) and all("--limit 64" in ln for ln in evals)
+    assert all("--drift" in ln for ln in evals if ln not in held)
+
+
+@pytest.mark.parametrize("args", [["--arms", "real,bogus"], ["--seeds", "0"], ["--n-eval", "0"]])
+def test_bad_arguments_refused(args):
+    r = _bench("--dry-run", *args)
+    assert r.returncode == 2 and "error" in r.stderr
+
+
+@pytest.mark.slow
+def test_tiny_pipeline_end_to_end(tmp_path):
+    runs = tmp_path / "runs"
+    r = _bench("--tiny", "--runs", str(runs), "--n-eval", "2", timeout=1200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((runs / "learning_tiny.json").read_text())
+    assert (runs / "learning_tiny.md").exists() and (runs / "learning_tiny.png").stat().st_size > 0
+    assert res["tiny"] and res["failures"] == [] and res["missing"] == []
+    assert set(res["arms"]) == {"sft-only", "real", "rehearse", "hybrid"}
+    for arm, r_ in res["arms"].items():
+        assert set(r_["seeds"]) == {"0", "1"}
+        for seed, s in r_["seeds"].items():
+            d = Path(s["run_dir"])
+            assert d == runs / f"{arm}-s{seed}"
+            # every number comes from this run's own eval dirs
+            clean = json.loads((d / "eval" / "results.json").read_text())["categories"]
+            drift = json.loads((d / "eval_drift" / "results.json").read_text())["categories"]
+            cats = res["plan"]["categories"]
+            assert s["metrics"]["task_success"] == clean[cats["task_success"]]["accuracy"]
+            assert s["metrics"]["answer_success"] == clean[cats["answer_success"]]["accuracy"]
+            assert s["metrics"]["heldout_success"] == clean[cats["heldout_success"]]["accuracy"]
+            assert s["metrics"]["drift_success"] == drift[cats["drift_success"]]["accuracy"]
+            assert all(c["n"] == 2 and c["errors"] == 0 for c in [*clean.values(), *drift.values()])
+            assert (d / "eval" / "run.json").exists() or (d / "eval" / "items.jsonl").exists()
+            cfg = (d / "config.yaml").read_text()
+            assert f"seed: {seed}" in cfg and str(runs / "warmup" / "export") in cfg
+            rows = [x for x in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if "step" in x]
+            assert s["curves"]["step"] == [x["step"] for x in rows]
+            assert {x["stage"] for x in rows} == ({"sft"} if arm == "sft-only" else {"rl"})
+            assert s["weight_change"] is not None and s["weight_change"] > 0
+        for k in ("task_success", "answer_success", "drift_success", "heldout_success"):
+            assert r_["summary"][k]["n_seeds"] == 2
+    # a second invocation finds everything done: nothing is retrained or re-evaluated
+    before = {p: p.stat().st_mtime_ns for p in runs.rglob("results.json")}
+    r2 = _bench("--tiny", "--runs", str(runs), "--n-eval", "2", timeout=600)
+    assert r2.returncode == 0, r2.stdout[-2000:]
+    assert {p: p.stat().st_mtime_ns for p in runs.rglob("results.json")} == before
