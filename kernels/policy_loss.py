@@ -32,8 +32,9 @@ dW += dZ^T X_c. Backward only scales the stored dX, dW (, d bias) by grad_output
 of 8NHV. dW accumulates in fp32 across chunks (a V x H accumulator, read and written once per
 chunk), so the chunk size comes from a workspace budget that counts that accumulator
 (`workspace_bytes`, `_common.fused_loss_rows`): few, large chunks hide its traffic behind the
-dW GEMM's FLOPs. A sequence-level ratio couples the tokens of a sequence (its gradient needs every logp
-of the sequence first), so importance_sampling="sequence" runs the unfused path (8NHV).
+dW GEMM's FLOPs. A sequence-level ratio couples the tokens of a sequence (its gradient needs
+every logp of the sequence first), so importance_sampling="sequence" runs the unfused path
+(8NHV).
 Unfused path: `linear_logprobs` + the same loss written as plain autograd torch (the reference).
 """
 from __future__ import annotations
