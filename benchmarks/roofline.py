@@ -2,6 +2,7 @@
 
     python benchmarks/roofline.py [--device h200|h100] [--json PATH] [--measured JSON ...]
                                   [--budget-gib 1.5] [--workspace-gib G] [--shapes HxV ...]
+                                  [--fused-workspace-gib G] [--fused-ideas]
 
 For every method of bench_logprobs.py / bench_policy_loss.py (ours as `ours-logprobs` and
 `ours-fused-loss` in labelled designs, `design_key`: "row-chunked" with the V x H fp32 dW
@@ -204,23 +205,30 @@ def _ours_chunk(n, v):
     return max(1, min(rows, n))
 
 
-def _row_chunked_forward(n, h, v, c, k, ops, ops_name):
-    return [gemm("fwd Z = X_c W^T (fp32 out)", c, v, h, out_bytes=F32, count=k),
-            passes("fwd _row_stats_kernel (1 read fp32)", c * v * F32, k),
+def _row_chunked_forward(n, h, v, c, k, ops, ops_name, z_bytes=F32):
+    zt = "fp32" if z_bytes == F32 else "bf16"
+    return [gemm(f"fwd Z = X_c W^T ({zt} out)", c, v, h, out_bytes=z_bytes, count=k),
+            passes(f"fwd _row_stats_kernel (1 read {zt})", c * v * z_bytes, k),
             passes(ops_name, 0, k, ops)]
 
 
-def _row_chunked_backward(n, h, v, c, k, recompute):
+def _row_chunked_backward(n, h, v, c, k, recompute, z_bytes=F32, first_mm=False):
+    """first_mm: the first chunk writes dW with a plain GEMM (no zero-fill, no read of zeros)."""
     out = []
     if recompute:
         out.append(gemm("bwd recompute Z (fp32 out)", c, v, h, out_bytes=F32, count=k))
-    return out + [
-        passes("_row_grad_kernel (read fp32 Z, write bf16 dZ)", c * v * (F32 + BF16), k),
+    zt = "fp32" if z_bytes == F32 else "bf16"
+    out += [
+        passes(f"_row_grad_kernel (read {zt} Z, write bf16 dZ)", c * v * (z_bytes + BF16), k),
         gemm("dX_c = dZ W", c, h, v, count=k),
         gemm("dW += dZ^T X_c (fp32 V x H accumulator, addmm)", v, h, c, out_bytes=F32,
-             accumulate=True, count=k),
-        passes("dW: zero fp32 accumulator + final cast to bf16", v * h * (F32 + F32 + BF16)),
-    ]
+             accumulate=True, count=k - 1 if first_mm else k)]
+    if first_mm:
+        return out + [gemm("dW = dZ^T X_c, first chunk (fp32 V x H, plain mm)", v, h, c,
+                           out_bytes=F32),
+                      passes("dW: final cast to bf16", v * h * (F32 + BF16))]
+    return out + [passes("dW: zero fp32 accumulator + final cast to bf16",
+                         v * h * (F32 + F32 + BF16))]
 
 
 def _vocab_outer_backward(n, h, v, plan_bytes):
@@ -286,33 +294,42 @@ def ours_logprobs(n, h, v, design, budget):
 FUSED_LOSS_OPS = 38
 
 
-def _fused_rows(n, h, v, fused_budget):
-    """kernels/policy_loss.py's rows per chunk on CUDA, from the code's own helper: bf16 weights,
-    no head variant, dX and dW wanted -> fp32 Z + bf16 dZ per logit, the fp32 V x H dW
-    accumulator fixed (`_common.fused_loss_rows`, default FUSED_WORKSPACE_BYTES_CUDA)."""
+def _fused_elem_bytes(z_bytes=F32):
+    """Bytes per logit a fused-loss chunk holds on CUDA (bf16 weights, no head variant): fp32 Z
+    + a bf16 dZ (`_vocab_outer.block_elem_bytes`); bf16 Z (idea (b)) would take dZ in place."""
+    return F32 + BF16 if z_bytes == F32 else BF16
+
+
+def _fused_rows(n, h, v, fused_budget, z_bytes=F32):
+    """kernels/policy_loss.py's rows per chunk on CUDA, from the code's own helper
+    (`_common.fused_loss_rows`, default FUSED_WORKSPACE_BYTES_CUDA): the fp32 V x H dW
+    accumulator fixed, `_fused_elem_bytes` per logit of a chunk."""
     import torch
     from fastrehearse.kernels._common import fused_loss_rows
-    return fused_loss_rows(n, v, torch.device("cuda"), elem_bytes=F32 + BF16,
+    return fused_loss_rows(n, v, torch.device("cuda"), elem_bytes=_fused_elem_bytes(z_bytes),
                            fixed_bytes=v * h * F32,
                            workspace_bytes=int(fused_budget) if fused_budget else None)
 
 
-def ours_fused_loss(n, h, v, design, budget, fused_budget=None):
+def ours_fused_loss(n, h, v, design, budget, fused_budget=None, z_bytes=F32, first_mm=False):
+    """z_bytes=BF16 (idea (b): logits kept in bf16) and first_mm (idea (c)) are variants of the
+    "budgeted" design the code does NOT run; fused_loss_ideas() lists them."""
     c = _ours_chunk(n, v)
     if design == "budgeted":       # the current code: rows from the workspace budget
-        c = _fused_rows(n, h, v, fused_budget)
+        c = _fused_rows(n, h, v, fused_budget, z_bytes)
     k = math.ceil(n / c)
     cw = n / k                     # the average chunk (the last one may be narrower)
     fwd = _row_chunked_forward(n, h, v, cw, k, FUSED_LOSS_OPS,
-                               "per-token loss terms + derivatives (small torch ops per chunk)")
+                               "per-token loss terms + derivatives (small torch ops per chunk)",
+                               z_bytes)
     if design in ("row-chunked", "budgeted"):
         what = ("one pass, row-chunked, V x H fp32 dW read-modify-write per chunk, "
                 + ("chunks from a workspace budget counting the accumulator (the current CUDA "
                    "path, _common.fused_loss_rows)" if design == "budgeted" else
                    "256 MiB logits chunks (the CUDA path before commit 174ba20)"))
         return Design("ours-fused-loss", what, "fused (triton)", False, 6,
-                      fwd + _row_chunked_backward(n, h, v, cw, k, recompute=False),
-                      workspace=v * h * F32 + c * v * (F32 + BF16), key=design,
+                      fwd + _row_chunked_backward(n, h, v, cw, k, False, z_bytes, first_mm),
+                      workspace=v * h * F32 + c * v * _fused_elem_bytes(z_bytes), key=design,
                       notes=f"{k} chunks of <= {c} rows; gradients made in the forward (6NHV); "
                             f"workspace: fp32 dW accumulator + fp32 Z + bf16 dZ of one chunk")
     if design == "bf16-acc":
@@ -335,6 +352,40 @@ def ours_fused_loss(n, h, v, design, budget, fused_budget=None):
                   workspace=max(ws, c * v * F32), key=design,
                   notes=f"not implemented; V_b={cols}: meets the workspace bound at the price of "
                         f"a logits recompute")
+
+
+def fused_loss_ideas(dev_key="h200", n=None, h=None, v=None) -> list[dict]:
+    """The fused-loss variants weighed against the issue-17 targets (docs/gpu.md section 2), at
+    the target shape by default. Only `budget 3 GiB` (the default) is what the code runs."""
+    n, h, v = n or TARGET["N"], h or TARGET["H"], v or TARGET["V"]
+    dev = DEVICES[dev_key]
+    floor = 6 * n * h * v / (dev["tflops"] * 1e12) * 1e3
+    gib = 2 ** 30
+    unsound_b = ("unsound: log-probs from bf16-rounded logits are off by up to ~6e-2 nats vs "
+                 "float64 at logit std 3 (fp32 logits: ~1e-5)")
+    rows = [("before: 256 MiB logits chunks", ours_fused_loss(n, h, v, "row-chunked", None),
+             "sound (the code before 174ba20)")]
+    for b in (2.5, 3.0, 4.0, 6.0):
+        rows.append((f"(a) budget {b:g} GiB", ours_fused_loss(n, h, v, "budgeted", None, b * gib),
+                     "sound" + (", the default (current code)" if b == 3.0 else "")))
+    rows += [("(a) 3 GiB + (c) first chunk plain mm",
+              ours_fused_loss(n, h, v, "budgeted", None, 3 * gib, first_mm=True),
+              "sound; not implemented (needs linear_logprobs.chunk_grad to write, not add)"),
+             ("(a) 3 GiB + (b) bf16 logits",
+              ours_fused_loss(n, h, v, "budgeted", None, 3 * gib, z_bytes=BF16), unsound_b),
+             ("two sweeps, vocabulary-outer", ours_fused_loss(n, h, v, "vocab-outer", None),
+              "sound, 8NHV; not implemented"),
+             ("fused=False (linear_logprobs + torch loss)", ours_unfused(n, h, v, None),
+              "sound, 8NHV (the code's unfused path)"),
+             ("bf16 dW accumulator", ours_fused_loss(n, h, v, "bf16-acc", None),
+              "gives up fp32 dW accumulation; not implemented")]
+    out = []
+    for name, d, verdict in rows:
+        t = sum(p.ms(dev) for p in d.pieces)
+        out.append({"idea": name, "device": dev["name"], "N": n, "H": h, "V": v,
+                    "predicted_ms": round(t, 3), "ratio_to_6nhv": round(t / floor, 4),
+                    "workspace_bytes": int(d.workspace), "notes": d.notes, "verdict": verdict})
+    return out
 
 
 def ours_unfused(n, h, v, budget):
@@ -507,7 +558,16 @@ def main(argv=None):
     ap.add_argument("--measured", nargs="*", default=None,
                     help="bench_logprobs/bench_policy_loss GPU JSON files to print beside the "
                          "prediction (default on a CUDA machine: benchmarks/results/*_gpu.json)")
+    ap.add_argument("--fused-ideas", action="store_true",
+                    help="print the fused-loss variants weighed at the target shape and exit")
     args = ap.parse_args(argv)
+    if args.fused_ideas:
+        print(f"PREDICTED fused-loss variants on {DEVICES[args.device]['name']}, N, H, V = "
+              f"{TARGET['N']}, {TARGET['H']}, {TARGET['V']} (time / 6NHV floor, workspace):")
+        for r in fused_loss_ideas(args.device):
+            print(f"  {r['idea']:44s} {r['predicted_ms']:7.1f} ms {r['ratio_to_6nhv']:.3f}x "
+                  f"{fmt_gib(r['workspace_bytes']):>9s}  {r['verdict']}")
+        return 0
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes else None
     recs = build(args.device, shapes, args.n, args.fracs, args.workspace_gib,
                  args.fused_workspace_gib)

@@ -116,3 +116,23 @@ def test_measured_join(tmp_path):
     hit = [r for r in recs if r.get("measured_ms") == 3.0]
     assert {r["method"] for r in hit} == {"ours-logprobs"} and len(hit) == 2
     assert all(r["device"] == "NVIDIA H100 SXM" and r["hbm_tbps"] == 3.0 for r in recs)
+
+
+def test_fused_loss_ideas(recs):
+    ideas = {r["idea"]: r for r in roofline.fused_loss_ideas("h200")}
+    cur = ideas["(a) budget 3 GiB"]
+    assert cur["predicted_ms"] == _find(recs, "ours-fused-loss", "budgeted")["predicted_ms"]
+    # more budget -> fewer chunks -> faster, never below the floor
+    times = [ideas[f"(a) budget {b} GiB"]["ratio_to_6nhv"] for b in ("2.5", "3", "4", "6")]
+    assert times == sorted(times, reverse=True) and times[-1] > 1.0
+    # (c) drops the zero-fill and one read of the accumulator: V x H x 8 bytes at 4.3 TB/s
+    first = ideas["(a) 3 GiB + (c) first chunk plain mm"]
+    assert cur["predicted_ms"] - first["predicted_ms"] == pytest.approx(
+        V * H * 4 / 4.3e12 * 1e3, rel=0.05)   # the read of zeros is hidden under the GEMM's FLOPs
+    # every design keeping an fp32 V x H accumulator exceeds the 1.5 GiB target at this shape
+    assert V * H * 4 > 1.5 * 2**30                  # the accumulator alone: 1.96 GiB
+    for name, r in ideas.items():
+        if name.startswith(("before", "(a)")):
+            assert r["workspace_bytes"] > 1.5 * 2**30
+    assert [n for n, r in ideas.items() if r["verdict"].startswith("unsound")] == \
+        ["(a) 3 GiB + (b) bf16 logits"]
