@@ -90,3 +90,22 @@ def test_bad_workspace_bytes_refused():
     with pytest.raises(ValueError, match="cannot hold the fused loss's"):
         call(workspace_bytes=v * h * 4)                     # the accumulator, no room for a row
     call(workspace_bytes=v * h * 4, fused=False)            # unfused: linear_logprobs' budget
+
+
+def test_bf16_logits_would_be_unsound():
+    """Why the fused loss keeps fp32 logits (docs/gpu.md, idea (b)): log-probs from logits rounded
+    to bf16 (what a bf16 logits buffer holds) are off by ~1e-2 nats and more against float64 at a
+    logit spread of std 3, vs ~1e-5 with fp32 logits; a PPO clip of 0.2 on exp(logp - old)
+    cannot absorb that."""
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 128, 256, 8000
+    x = torch.randn(n, h, generator=g, dtype=torch.float64)
+    w = torch.randn(v, h, generator=g, dtype=torch.float64) * 3.0 / h ** 0.5
+    t = torch.randint(0, v, (n, 1), generator=g)
+    z = x @ w.T
+    ref = torch.log_softmax(z, -1).gather(1, t)
+
+    def err(stored):        # the softmax itself in float64: only the storage rounding differs
+        return float((torch.log_softmax(stored.double(), -1).gather(1, t) - ref).abs().max())
+    assert err(z.float()) < 1e-4            # ~9e-7
+    assert err(z.bfloat16()) > 1e-2         # ~5.6e-2
