@@ -7,12 +7,14 @@
 
 Exit codes of `train`: 0 done (or stopped by SIGTERM after a checkpoint), 1 training stopped (the
 reason, e.g. non-finite steps or a full disk, in one line), 2 a mistake in the command, the config,
-the model path or run_dir, found before training (one line naming it).
+the model path or run_dir, found before training (one line naming it). Under torchrun, rank 0
+prints that line and torchrun adds its own report of the failed workers (its exit code is 1).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 
@@ -41,13 +43,17 @@ def train_main(argv: list[str] | None = None, prog: str = "fastrehearse train") 
         print(f"{prog}: config error: {e}", file=sys.stderr)
         return 2
     from fastrehearse.train.loop import TrainingError, train
+    # Every rank of a torchrun job reaches the same verdict; one of them says it.
+    say = os.environ.get("RANK", "0") == "0"
     try:
         train(cfg, resume=args.resume, overwrite=args.overwrite)
     except (FileNotFoundError, ConfigError) as e:   # run_dir, resume settings, env splits, ...
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        if say:
+            print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except TrainingError as e:                      # DiskFullError included
-        print(f"{prog}: training stopped: {e}", file=sys.stderr)
+        if say:
+            print(f"{prog}: training stopped: {e}", file=sys.stderr)
         return 1
     return 0
 
