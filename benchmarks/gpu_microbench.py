@@ -200,22 +200,17 @@ def main(argv=None):
         label = "default" if ws is None else f"{ws >> 20} MiB"
         record_step(f"linear_logprobs fwd+bwd, workspace {label}", lp_step,
                     roofline.ours_logprobs(a.n, a.h, a.v, "vocab-outer", ws))
-    # the fused loss: row-chunked, at chunk budgets
-    saved = kc.CHUNK_BYTES_CUDA
-    try:
-        for budget in ((256 << 20, 1 << 30) if cuda else (saved,)):
-            kc.CHUNK_BYTES_CUDA = roofline.CHUNK_BYTES_CUDA = budget
-            rows_c = kc.chunk_rows(a.n, a.v, torch.device("cuda"))
+    # the fused loss: rows per chunk from its workspace budget (default: the code's, 3 GiB on CUDA)
+    for ws in ((2 << 30, None, 4 << 30) if cuda else (None,)):
+        rows_c = roofline._fused_rows(a.n, a.h, a.v, ws) if cuda else "cpu"
 
-            def pl_step():
-                xg.grad = wg.grad = None
-                linear_policy_loss(xg, wg, t, roles, adv, old, PolicyLossConfig(),
-                                   backend=backend, check_finite=False).loss.backward()
-            record_step(f"linear_policy_loss fused fwd+bwd, chunk budget {budget >> 20} MiB "
-                        f"({rows_c} rows)", pl_step,
-                        roofline.ours_fused_loss(a.n, a.h, a.v, "row-chunked", None))
-    finally:
-        kc.CHUNK_BYTES_CUDA = roofline.CHUNK_BYTES_CUDA = saved
+        def pl_step(ws=ws):
+            xg.grad = wg.grad = None
+            linear_policy_loss(xg, wg, t, roles, adv, old, PolicyLossConfig(), backend=backend,
+                               check_finite=False, workspace_bytes=ws).loss.backward()
+        label = "default" if ws is None else f"{ws >> 20} MiB"
+        record_step(f"linear_policy_loss fused fwd+bwd, workspace {label} ({rows_c} rows)", pl_step,
+                    roofline.ours_fused_loss(a.n, a.h, a.v, "budgeted", None, fused_budget=ws))
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path}")
     return 0
