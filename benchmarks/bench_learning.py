@@ -129,7 +129,7 @@ def eval_cmds(a, cfg, export: Path, run_dir: Path) -> list[tuple[Path, list[str]
     cats = categories(cfg)
     common = ["--suite", "builtin", "--policy", str(export), "--limit", str(a.n_eval),
               "--max-steps", str(cfg.rollout.max_turns), "--max-new-tokens", str(cfg.rollout.max_new_tokens),
-              "--max-episode-tokens", str(cfg.rollout.max_episode_tokens), "--seed", "0", "--quiet"]
+              "--seed", "0", "--quiet"]   # episode tokens: the model's context (no item refused for length)
     base = [CLI, "eval"]
     clean = run_dir / "eval"
     drift = run_dir / "eval_drift"
@@ -355,9 +355,14 @@ def write_md(res: dict, path: Path) -> None:
              "|---|" + "---:|" * (len(names) + 1)]
     w = res["warmup"]["metrics"]
     lines.append("| warm-up (start of every arm) | " + " | ".join(
-        "missing" if w.get(k) is None else f"{100 * w[k]:.1f}" for k in names) + " | 0 |")
+        ("no calls made" if k == "fidelity_f1" and w.get("fidelity_items") == 0 else "missing")
+        if w.get(k) is None else f"{100 * w[k]:.1f}" for k in names) + " | 0 |")
     for arm, r in res["arms"].items():
-        lines.append(f"| {arm} | " + " | ".join(_fmt(r["summary"][k]) for k in names)
+        cells = [_fmt(r["summary"][k]) for k in names]
+        if r["summary"]["fidelity_f1"]["n_seeds"] == 0 and all(
+                s["metrics"].get("fidelity_items") == 0 for s in r["seeds"].values()):
+            cells[-1] = "no calls made"   # nothing rehearsed to compare with a real response
+        lines.append(f"| {arm} | " + " | ".join(cells)
                      + f" | {_fmt(r['summary']['weight_change'], pct=False)} |")
     if res["missing"] or res["failures"]:
         lines += ["", "## Missing / failed (never counted as scores)", ""]
@@ -443,10 +448,10 @@ def main(argv=None) -> int:
     failures: list = []
     t0 = time.perf_counter()
     if not a.report_only:
-        train_then_eval(a, pl["warmup"], failures)   # every arm starts from its export
-        if not failures:
+        train_then_eval(a, {**pl["warmup"], "evals": []}, failures)   # every arm starts from its export
+        if not failures:   # the warm-up's own eval runs beside the arms
             with cf.ThreadPoolExecutor(max_workers=a.jobs) as ex:
-                for f in [ex.submit(train_then_eval, a, j, failures) for j in pl["runs"].values()]:
+                for f in [ex.submit(train_then_eval, a, j, failures) for j in [*pl["runs"].values(), pl["warmup"]]]:
                     f.result()
     res = report(a, cfg, pl, failures, None if a.report_only else time.perf_counter() - t0)
     write_outputs(res, a.out)
