@@ -205,3 +205,30 @@ def test_fidelity_under_drift(tmp_path, tok):
     assert run("rename", "b") == {"exact": 0.0, "field_f1": 0.0, "calls": 1.0}
     f = run("rename:balance=funds", "c")     # 4 of 5 fields still match
     assert f["exact"] == 0.0 and f["field_f1"] == pytest.approx(0.8)
+
+
+def test_drift_env_forwards_every_protocol_member():
+    """Every class-level protocol member of ToolEnv reads through to the wrapped env (a member the
+    wrapper does not forward silently takes ToolEnv's default: e.g. validates_calls False made the
+    engine re-check BFCL calls by schema under drift)."""
+    class Inner(Canned):
+        tools = [{"type": "function", "function": {"name": "late_tool", "parameters": {}}}]
+        finished = True
+        control_tools = frozenset({"done"})
+        validates_calls = True
+        grades_calls_only = True
+
+        def next_user_message(self, reply=None):
+            return {"role": "user", "content": "next"}
+
+        def drift_stats(self):
+            return {"x": 1}
+
+    inner = Inner(RESP)
+    env = DriftEnv(inner, DriftSpec.parse("rename"))
+    members = [k for k, v in vars(ToolEnv).items()
+               if not k.startswith("_") and not callable(v) and not isinstance(v, (staticmethod, classmethod))]
+    assert set(members) >= {"tools", "finished", "control_tools", "validates_calls", "grades_calls_only"}
+    for name in members:
+        assert getattr(env, name) == getattr(inner, name), name
+    assert env.next_user_message({"role": "assistant", "content": "hi"}) == {"role": "user", "content": "next"}

@@ -213,8 +213,8 @@ class DriftEnv(ToolEnv):
         return self.inner.control_tools
 
     @property
-    def validates_arguments(self) -> bool:
-        return self.inner.validates_arguments
+    def validates_calls(self) -> bool:
+        return self.inner.validates_calls
 
     @property
     def grades_calls_only(self) -> bool:
