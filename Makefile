@@ -29,7 +29,7 @@ $(STAMP): $(VPY) setup.py requirements/constraints-cpu.txt requirements/nodeps.t
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/fastrehearse train --config configs/demo.yaml
+	$(VENV)/bin/fastrehearse train --config configs/demo.yaml --overwrite
 
 test: $(STAMP)
 	$(VPY) -m pytest -q $(PYTEST_ARGS) tests
