@@ -293,20 +293,23 @@ class _Plan:
         self.__dict__.update(kw)
 
 
-def _fast_torch(backend, with_entropy, head) -> bool:
-    """The torch backend without entropy: dZ = diag(g1) (onehot - E / S) with E = exp(s - m), so
-    the chunk needs only amax, sub_, exp_, sum; -g1 / S scales the [C, H] operands instead.
+def _fast_torch(backend, entropy_grad, head) -> bool:
+    """The torch backend without an entropy gradient: dZ = diag(g1) (onehot - E / S) with
+    E = exp(s - m), so the chunk needs only amax, sub_, exp_, sum; -g1 / S scales the [C, H]
+    operands instead. An entropy wanted as a metric only (entropy_coef == 0, e.g. TRL's logged
+    entropy) costs one more row reduction: H = log S - sum_j E_j (s_j - m) / S.
     (Not with an LM-head variant: the head transform sits between the GEMM and the rows.)"""
-    return backend == "torch" and not with_entropy and head is None
+    return backend == "torch" and not entropy_grad and head is None
 
 
-def _chunk_rows(n, w, head, fast, grad, need_dw, workspace_bytes, chunk_size):
+def _chunk_rows(n, w, head, fast, grad, need_dw, workspace_bytes, chunk_size, with_entropy=False):
     """Rows per chunk of _fused_sweep from the workspace it holds (see _common.fused_loss_rows):
     per row of a chunk its fp32 logits (+ pre-cap logits, + a low-precision dZ when there is a
     gradient); fixed: the fp32 V x H dW accumulator, and the torch fast path's fp32 weight copy."""
     v, h = w.shape
     pre = 4 if head is not None and head.needs_pre else 0
-    elem = 4 if fast else (block_elem_bytes(w, head) if grad else 4 + pre)
+    # fast path: the chunk's fp32 logits (+ E beside s - m when the entropy is wanted)
+    elem = (8 if with_entropy else 4) if fast else (block_elem_bytes(w, head) if grad else 4 + pre)
     fixed = (v * h * 4 if need_dw else 0) + (v * h * 4 if fast and w.dtype != torch.float32 else 0)
     return fused_loss_rows(n, v, w.device, elem_bytes=elem, fixed_bytes=fixed,
                            workspace_bytes=workspace_bytes, chunk_size=chunk_size)
@@ -364,9 +367,18 @@ def _fused_sweep(x, w, plan, need_dx, need_dw, need_db=False):
             z = torch.mm(xs, w32.t())
             s_t = z.gather(1, t_c.view(-1, 1)).squeeze(1)
             m = z.amax(1)
-            sum_e = z.sub_(m.view(-1, 1)).exp_().sum(1)                    # z := E
+            if plan.with_entropy:                                 # metric only: no gradient
+                zm = z.sub_(m.view(-1, 1))                            # s - m
+                z = zm.exp()                                          # z := E
+                a = torch.bmm(z.unsqueeze(1), zm.unsqueeze(2)).view(-1)   # sum_j E_j (s_j - m)
+                del zm
+                sum_e = z.sum(1)
+                h = torch.log(sum_e) - a / sum_e
+            else:
+                sum_e = z.sub_(m.view(-1, 1)).exp_().sum(1)                # z := E
+                h = None
             lse = m + torch.log(sum_e)
-            lp, h = s_t - lse, None
+            lp = s_t - lse
         else:
             z, z_pre = head_logits(x_c, w, head, plan.backend)
             lp, h, lse = row_stats(z, t_c, inv_temp, plan.with_entropy, plan.backend)
@@ -609,14 +621,15 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
         grad_on = torch.is_grad_enabled()
         plan = _Plan(t=t_c.long().contiguous(), roles=r_c, adv=adv_c, old=old_c, ref=ref_c,
                      scale=scale, cfg=cfg, inv_temp=inv_temp, with_entropy=with_ent,
-                     backend=backend, head=head, fast=_fast_torch(backend, with_ent, head),
+                     backend=backend, head=head,
+                     fast=_fast_torch(backend, cfg.entropy_coef != 0.0, head),
                      need_dx=grad_on and hidden.requires_grad,
                      need_dw=grad_on and weight.requires_grad,
                      need_db=(grad_on and head is not None and bias is not None
                               and bias.requires_grad))
         plan.chunk = _chunk_rows(rows.numel(), weight, head, plan.fast,
                                  plan.need_dx or plan.need_dw or plan.need_db, plan.need_dw,
-                                 workspace_bytes, chunk_size)
+                                 workspace_bytes, chunk_size, with_ent)
         b = bias if head is not None else None
         if plan.need_dx or plan.need_dw or plan.need_db:
             loss = _FusedPolicyLoss.apply(x_c.contiguous(), weight.contiguous(), b, plan)

@@ -342,3 +342,23 @@ def test_bad_inputs():
     t[rl_pos] = 10_000
     with pytest.raises(ValueError, match=rf"targets\[{rl_pos}\] = 10000"):
         _bad_call(targets=t)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_entropy_metric_on_the_fast_torch_path_matches_float64(temperature):
+    """with_entropy=True and entropy_coef == 0 (an entropy metric, e.g. TRL's): the torch fast path
+    runs (one more row reduction) and its entropy, loss and gradients equal float64."""
+    from fastrehearse.kernels.policy_loss import _fast_torch
+    assert _fast_torch("torch", False, None) and not _fast_torch("torch", True, None)
+    cfg = PolicyLossConfig(kl_coef=0.1, temperature=temperature)
+    batch = make_batch(seed=11, temperature=temperature)
+    ref_loss, ref_dx, ref_dw = reference(batch, cfg)
+    out, dx, dw = run(batch, cfg, True, "torch", chunk_size=16, with_entropy=True)
+    assert abs(out.loss.item() - ref_loss.item()) <= TOL * max(1.0, abs(ref_loss.item()))
+    assert rel_err(dx, ref_dx) <= TOL and rel_err(dw, ref_dw) <= TOL
+    z = batch["hidden"].double() @ batch["weight"].double().t() / temperature
+    p = torch.softmax(z, -1)
+    ent = -(p * torch.log_softmax(z, -1)).sum(-1)
+    rows = (batch["roles"] == ACT) | (batch["roles"] == REH)   # the entropy is reported on RL tokens
+    assert out.entropy is not None and float(out.entropy[~rows].abs().max()) == 0.0
+    assert float((out.entropy[rows].double() - ent[rows]).abs().max()) <= 1e-4
