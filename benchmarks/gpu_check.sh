@@ -66,7 +66,7 @@ else
   MB_ARGS=""; E2E_ARGS=""; PACK_ARGS="--repeats 2"
   LP_METHODS=(naive "torch.compile chunked" F.linear_cross_entropy "F.linear_cross_entropy chunked"
               "liger FLCE" cut-cross-entropy "ours (triton)")
-  PL_METHODS=("fused (triton)" "unfused (triton)")
+  PL_METHODS=("fused (triton)" "fused (triton, bf16 dW, 1.5 GiB)" "unfused (triton)")
 fi
 
 LP_METHODS2=()   # the other shapes: no torch.compile (its compile per shape eats the budget)

@@ -8,8 +8,10 @@ For every method of bench_logprobs.py / bench_policy_loss.py (ours as `ours-logp
 `ours-fused-loss` in labelled designs, `design_key`: "row-chunked" with the V x H fp32 dW
 accumulator and 256 MiB logits chunks, "vocab-outer" as kernels/_vocab_outer.py does it with the
 code's own block plan; for the fused loss "budgeted" (row-chunked, chunks from the code's own
-`fused_loss_rows` workspace plan), a HYPOTHETICAL two-sweep "vocab-outer" and a HYPOTHETICAL
-"bf16-acc"; which one the code runs is in `design`) and
+`fused_loss_rows` workspace plan, fp32 dW accumulator: the default), "budgeted-bf16" (the same
+with `dw_accum_dtype=torch.bfloat16`, opt-in, at a 1.5 GiB budget), a HYPOTHETICAL two-sweep
+"vocab-outer" and a HYPOTHETICAL "bf16-acc" (bf16 dW + per-token terms fused into the row
+kernel); which one the code runs is in `design`) and
 every shape, the model lists the pieces one fwd+bwd runs (GEMMs, logits passes,
 row kernels, dW / dX accumulators, small-op launches), each with its FLOPs and HBM bytes, and
 predicts a piece's time as its roofline max(FLOPs / matmul rate, bytes / bandwidth) (`predicted_ms`,
@@ -96,7 +98,8 @@ class Design:
     pieces: list = field(default_factory=list)
     workspace: float = 0.0
     notes: str = ""
-    key: str = "reference"       # ours: "row-chunked", "vocab-outer", "budgeted", "bf16-acc"
+    key: str = "reference"       # ours: "row-chunked", "vocab-outer", "budgeted", "budgeted-bf16",
+    #                              "bf16-acc"
 
 
 # ---- methods ------------------------------------------------------------------------------------
@@ -287,6 +290,10 @@ def ours_logprobs(n, h, v, design, budget):
                         f"fp32 dW_b")
 
 
+# The workspace budget the roofline gives the dw_accum_dtype=bf16 design (the issue-17 bound);
+# the code's default (FUSED_WORKSPACE_BYTES_CUDA, 3 GiB) would hold twice the rows.
+BF16_ACC_BUDGET = 1.5 * 2 ** 30
+
 # Small kernels per chunk of kernels/policy_loss.py's sweep besides its GEMMs and row kernels:
 # per-token loss terms, derivatives, metric stores. Counted (aten ops under a TorchDispatchMode,
 # Triton path, per extra chunk) for the default PolicyLossConfig (ppo_clip, no KL / entropy):
@@ -300,14 +307,15 @@ def _fused_elem_bytes(z_bytes=F32):
     return F32 + BF16 if z_bytes == F32 else BF16
 
 
-def _fused_rows(n, h, v, fused_budget, z_bytes=F32):
+def _fused_rows(n, h, v, fused_budget, z_bytes=F32, acc32=True):
     """kernels/policy_loss.py's rows per chunk on CUDA, from the code's own helper
     (`_common.fused_loss_rows`, default FUSED_WORKSPACE_BYTES_CUDA): the fp32 V x H dW
-    accumulator fixed, `_fused_elem_bytes` per logit of a chunk."""
+    accumulator fixed (none with dw_accum_dtype=bf16: acc32=False), `_fused_elem_bytes` per
+    logit of a chunk."""
     import torch
     from fastrehearse.kernels._common import fused_loss_rows
     return fused_loss_rows(n, v, torch.device("cuda"), elem_bytes=_fused_elem_bytes(z_bytes),
-                           fixed_bytes=v * h * F32,
+                           fixed_bytes=v * h * F32 if acc32 else 0,
                            workspace_bytes=int(fused_budget) if fused_budget else None)
 
 
@@ -317,6 +325,9 @@ def ours_fused_loss(n, h, v, design, budget, fused_budget=None, z_bytes=F32, fir
     c = _ours_chunk(n, v)
     if design == "budgeted":       # the current code: rows from the workspace budget
         c = _fused_rows(n, h, v, fused_budget, z_bytes)
+    if design == "budgeted-bf16":  # the current code with dw_accum_dtype=torch.bfloat16
+        c = _fused_rows(n, h, v, fused_budget if fused_budget else BF16_ACC_BUDGET, z_bytes,
+                        acc32=False)
     k = math.ceil(n / c)
     cw = n / k                     # the average chunk (the last one may be narrower)
     fwd = _row_chunked_forward(n, h, v, cw, k, FUSED_LOSS_OPS,
@@ -332,6 +343,20 @@ def ours_fused_loss(n, h, v, design, budget, fused_budget=None, z_bytes=F32, fir
                       workspace=v * h * F32 + c * v * _fused_elem_bytes(z_bytes), key=design,
                       notes=f"{k} chunks of <= {c} rows; gradients made in the forward (6NHV); "
                             f"workspace: fp32 dW accumulator + fp32 Z + bf16 dZ of one chunk")
+    if design == "budgeted-bf16":
+        pieces = fwd + [
+            passes("_row_grad_kernel (read fp32 Z, write bf16 dZ)", cw * v * (F32 + BF16), k),
+            gemm("dX_c = dZ W", cw, h, v, count=k),
+            gemm("dW += dZ^T X_c (bf16 V x H: the returned dW, fp32 inside the GEMM)", v, h, cw,
+                 accumulate=True, count=k)]
+        return Design("ours-fused-loss", "one pass, row-chunked, dW accumulated in the returned "
+                      "bf16 dW (dw_accum_dtype=torch.bfloat16: rounded once per chunk, as Liger), "
+                      "chunks from the workspace budget (no accumulator in it)",
+                      "fused (triton, bf16 dW, 1.5 GiB)",
+                      False, 6, pieces, workspace=c * v * _fused_elem_bytes(z_bytes), key=design,
+                      notes=f"{k} chunks of <= {c} rows (workspace_bytes="
+                            f"{(fused_budget or BF16_ACC_BUDGET) / 2 ** 30:g} GiB); workspace: "
+                            f"fp32 Z + bf16 dZ of one chunk")
     if design == "bf16-acc":
         pieces = [p for p in fwd if "small torch ops" not in p.name] + [
             passes("_row_grad_kernel (read fp32 Z, write bf16 dZ)", cw * v * (F32 + BF16), k),
@@ -377,8 +402,13 @@ def fused_loss_ideas(dev_key="h200", n=None, h=None, v=None) -> list[dict]:
               "sound, 8NHV; not implemented"),
              ("fused=False (linear_logprobs + torch loss)", ours_unfused(n, h, v, None),
               "sound, 8NHV (the code's unfused path)"),
-             ("bf16 dW accumulator", ours_fused_loss(n, h, v, "bf16-acc", None),
-              "gives up fp32 dW accumulation; not implemented")]
+             ("bf16 dW accumulator + per-token terms in the row kernel",
+              ours_fused_loss(n, h, v, "bf16-acc", None),
+              "gives up fp32 dW accumulation; the per-token fusion is not implemented")]
+    for b in (1.0, 1.5, 3.0):
+        rows.append((f"dw_accum_dtype=bf16, budget {b:g} GiB",
+                     ours_fused_loss(n, h, v, "budgeted-bf16", None, b * gib),
+                     "implemented (opt-in); dW rounded to bf16 once per chunk"))
     out = []
     for name, d, verdict in rows:
         t = sum(p.ms(dev) for p in d.pieces)
@@ -422,7 +452,7 @@ def designs(n_all, n_unmasked, h, v, budget, fused_budget=None):
            torch_lce_chunked(n_all, h, v), liger_flce(n_all, h, v), cce(nu, h, v)]
     for d in ("row-chunked", "vocab-outer"):
         out.append(ours_logprobs(nu, h, v, d, budget))
-    for d in ("budgeted", "row-chunked", "vocab-outer", "bf16-acc"):
+    for d in ("budgeted", "budgeted-bf16", "row-chunked", "vocab-outer", "bf16-acc"):
         out.append(ours_fused_loss(nu, h, v, d, budget, fused_budget))
     out += [ours_unfused(nu, h, v, budget), liger_grpo(n_all, h, v)]
     return out

@@ -150,7 +150,8 @@ def fused_loss_rows(n: int, v: int, device: torch.device, *, elem_bytes: int, fi
         rows = max(rows, chunk_rows(n, v, device))
     elif rows < 1:
         raise ValueError(f"workspace_bytes={workspace_bytes} cannot hold the fused loss's "
-                         f"{fixed_bytes}-byte fp32 dW accumulator plus one {v * elem_bytes}-byte "
+                         f"{fixed_bytes}-byte fixed part (the fp32 dW accumulator unless "
+                         f"dw_accum_dtype=weight.dtype) plus one {v * elem_bytes}-byte "
                          f"row of logits; raise it or use fused=False")
     if rows >= 128:
         rows -= rows % 64       # GEMM-friendly row counts
@@ -261,17 +262,42 @@ def check_temperature(temperature) -> float:
 # ---- GEMMs with fp32 results -------------------------------------------------------------------
 # Low-precision inputs: the GEMM accumulates in fp32 inside cuBLAS; `out_dtype=float32` (torch
 # >= 2.9 on CUDA) keeps the result in fp32 instead of rounding the logits / dW partials to bf16.
+# Support is probed once per (op, device type, dtype) on a 1 x 1 problem, never by catching the
+# error of a real call: an out-of-memory or shape error of a real GEMM always propagates. Where
+# the probe fails the fallback rounds the result to the input dtype first; that is warned once and
+# listed by `fp32_gemm_fallbacks()` (benchmarks record it).
 _OUT_DTYPE_OK: dict[str, bool] = {}
 
 
-def _try_out_dtype(fn, *args, **kw):
-    key = fn.__name__
-    if _OUT_DTYPE_OK.get(key, True):
+def _out_dtype_ok(fn, like: torch.Tensor) -> bool:
+    key = f"{fn.__name__}:{like.device.type}:{str(like.dtype).replace('torch.', '')}"
+    ok = _OUT_DTYPE_OK.get(key)
+    if ok is None:
+        one = torch.ones(1, 1, device=like.device, dtype=like.dtype)
         try:
-            return fn(*args, out_dtype=torch.float32, **kw)
-        except (TypeError, RuntimeError, NotImplementedError):
-            _OUT_DTYPE_OK[key] = False
-    return None
+            if fn is torch.addmm:
+                acc = torch.ones(1, 1, device=like.device, dtype=torch.float32)
+                r = fn(acc, one, one, out_dtype=torch.float32, out=acc)
+                ok = r.dtype == torch.float32 and float(r) == 2.0
+            else:
+                r = fn(one, one, out_dtype=torch.float32)
+                ok = r.dtype == torch.float32 and float(r) == 1.0
+        except torch.OutOfMemoryError:
+            raise
+        except (TypeError, RuntimeError, NotImplementedError) as e:
+            ok = False
+            warnings.warn(f"fastrehearse.kernels: torch.{fn.__name__}(..., out_dtype=float32) is "
+                          f"unavailable for {like.dtype} on {like.device.type} ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:120] if str(e) else ''}); falling back to a "
+                          f"{like.dtype} result cast to fp32 (logits / dW partials rounded once "
+                          f"more, a little slower). torch >= 2.9 has it.", stacklevel=3)
+        _OUT_DTYPE_OK[key] = ok
+    return ok
+
+
+def fp32_gemm_fallbacks() -> list[str]:
+    """The (op:device:dtype) GEMMs that ran without `out_dtype=float32` in this process."""
+    return sorted(k for k, ok in _OUT_DTYPE_OK.items() if not ok)
 
 
 def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -279,20 +305,31 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dtype == torch.float32:
         return torch.mm(a, b)
     if a.is_cuda:
-        out = _try_out_dtype(torch.mm, a, b)
-        if out is not None:
-            return out
+        if _out_dtype_ok(torch.mm, a):
+            return torch.mm(a, b, out_dtype=torch.float32)
         return torch.mm(a, b).float()
     return torch.mm(a.float(), b.float())  # CPU bf16/fp16: correctness over speed
 
 
 def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b with acc fp32 (the cross-chunk dW accumulator)."""
+    """acc += a @ b, the product always summed in fp32.
+
+    acc fp32 (the default cross-chunk dW accumulator): exact up to fp32. acc in a low-precision
+    dtype (the fused loss's `dw_accum_dtype=weight.dtype`): acc + a @ b is formed in fp32 and
+    rounded once per call, on CUDA by cuBLAS itself (beta = 1, fp32 compute), as Liger's FLCE does.
+    """
+    if acc.dtype != torch.float32:
+        if a.is_cuda and a.dtype == acc.dtype:
+            acc.addmm_(a, b)
+        else:
+            acc.add_(mm_f32(a, b) if a.dtype == b.dtype else torch.mm(a.float(), b.float()))
+        return
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
         return
     if a.is_cuda:
-        if _try_out_dtype(torch.addmm, acc, a, b, out=acc) is not None:
+        if _out_dtype_ok(torch.addmm, a):
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
             return
         acc.add_(torch.mm(a, b))
         return

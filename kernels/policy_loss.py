@@ -29,10 +29,13 @@ compacted out with CONTEXT: no projection work, exactly zero gradient, logp repo
 Fused path: dl/dlogp and dl/dH are known as soon as logp and H are, so each chunk does
 Z = X_c W^T -> row stats -> per-token dl/dlogp, dl/dH -> dZ in place -> dX_c = dZ W,
 dW += dZ^T X_c. Backward only scales the stored dX, dW (, d bias) by grad_output. 6NHV instead
-of 8NHV. dW accumulates in fp32 across chunks (a V x H accumulator, read and written once per
-chunk), so the chunk size comes from a workspace budget that counts that accumulator
+of 8NHV. dW accumulates in fp32 across chunks by default (a V x H accumulator, read and written
+once per chunk), so the chunk size comes from a workspace budget that counts that accumulator
 (`workspace_bytes`, `_common.fused_loss_rows`): few, large chunks hide its traffic behind the
-dW GEMM's FLOPs. A sequence-level ratio couples the tokens of a sequence (its gradient needs
+dW GEMM's FLOPs. `dw_accum_dtype=weight.dtype` accumulates in the returned low-precision dW
+instead (each chunk's dZ^T X_c summed in fp32 inside the GEMM, the running dW rounded once per
+chunk, as Liger's FLCE): no accumulator in the workspace and half its traffic, for k roundings
+of dW instead of one (k = number of chunks; relative error <= k * 2^-8 for bf16). A sequence-level ratio couples the tokens of a sequence (its gradient needs
 every logp of the sequence first), so importance_sampling="sequence" runs the unfused path
 (8NHV).
 Unfused path: `linear_logprobs` + the same loss written as plain autograd torch (the reference).
@@ -302,15 +305,20 @@ def _fast_torch(backend, entropy_grad, head) -> bool:
     return backend == "torch" and not entropy_grad and head is None
 
 
-def _chunk_rows(n, w, head, fast, grad, need_dw, workspace_bytes, chunk_size, with_entropy=False):
+def _chunk_rows(n, w, head, fast, grad, need_dw, workspace_bytes, chunk_size, with_entropy=False,
+                dw_accum_dtype=torch.float32):
     """Rows per chunk of _fused_sweep from the workspace it holds (see _common.fused_loss_rows):
     per row of a chunk its fp32 logits (+ pre-cap logits, + a low-precision dZ when there is a
-    gradient); fixed: the fp32 V x H dW accumulator, and the torch fast path's fp32 weight copy."""
+    gradient); fixed: the fp32 V x H dW accumulator (none when dW accumulates in the returned
+    low-precision dW itself), and the torch fast path's fp32 weight copy."""
     v, h = w.shape
     pre = 4 if head is not None and head.needs_pre else 0
     # fast path: the chunk's fp32 logits (+ E beside s - m when the entropy is wanted)
     elem = (8 if with_entropy else 4) if fast else (block_elem_bytes(w, head) if grad else 4 + pre)
-    fixed = (v * h * 4 if need_dw else 0) + (v * h * 4 if fast and w.dtype != torch.float32 else 0)
+    acc32 = need_dw and (dw_accum_dtype == torch.float32 or w.dtype == torch.float32)
+    fixed = (v * h * 4 if acc32 else 0) + (v * h * 4 if fast and w.dtype != torch.float32 else 0)
+    if fast and need_dw and not acc32:
+        fixed += v * h * 4     # the fast path's per-chunk fp32 dZ^T X_c before it is rounded in
     return fused_loss_rows(n, v, w.device, elem_bytes=elem, fixed_bytes=fixed,
                            workspace_bytes=workspace_bytes, chunk_size=chunk_size)
 
@@ -352,7 +360,7 @@ def _fused_sweep(x, w, plan, need_dx, need_dw, need_db=False):
     plan.kl = torch.empty(n, device=dev, dtype=torch.float32) if plan.cfg.kl_coef else None
     loss_parts = torch.zeros(NUM_ROLES, device=dev, dtype=torch.float32)
     dx = torch.empty_like(x) if need_dx else None
-    dw = torch.zeros(w.shape, device=dev, dtype=torch.float32) if need_dw else None
+    dw = torch.zeros(w.shape, device=dev, dtype=plan.dw_dtype) if need_dw else None
     db = torch.zeros(v, device=dev, dtype=torch.float32) if need_db else None
     grad = need_dx or need_dw or need_db
     inv_temp = plan.inv_temp
@@ -402,9 +410,11 @@ def _fused_sweep(x, w, plan, need_dx, need_dw, need_db=False):
             if dx is not None:
                 dx_c = torch.mm(z, w32).mul_(r).add_(w32.index_select(0, t_c) * g1c)
                 dx[s:e] = dx_c.mul_(inv_temp) if inv_temp != 1.0 else dx_c
-            if dw is not None:
+            if dw is not None and dw.dtype == torch.float32:
                 dw.addmm_(z.t(), xs * r)
                 dw.index_add_(0, t_c, xs * g1c)
+            elif dw is not None:    # low-precision dW: the chunk's sum in fp32, rounded in once
+                dw.add_(torch.mm(z.t(), xs * r).index_add_(0, t_c, xs * g1c))
         elif grad:
             chunk_grad(x_c, w, z, t_c, lse, h, g1, g2, inv_temp, plan.backend,
                        None if dx is None else dx[s:e], dw, head, z_pre, db)
@@ -535,7 +545,8 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
                        chunk_size: int | None = None, bias: torch.Tensor | None = None,
                        logit_softcap: float | None = None, logit_scale: float | None = None,
                        seq_ids: torch.Tensor | None = None,
-                       workspace_bytes: int | None = None) -> PolicyLossOutput:
+                       workspace_bytes: int | None = None,
+                       dw_accum_dtype: torch.dtype = torch.float32) -> PolicyLossOutput:
     """Role-wise GRPO loss of the tokens `targets` under softmax(head(hidden @ weight.T) / T).
 
     Args:
@@ -566,6 +577,12 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
             `_common.fused_loss_rows`; default on CUDA 3 GiB, on the CPU 32 MiB logits chunks).
             Refused when it cannot hold the accumulator plus one row. The unfused path passes it
             to `linear_logprobs` (its vocabulary-outer backward's budget).
+        dw_accum_dtype: the fused path's dW accumulator across chunks: torch.float32 (default;
+            dW rounded once at the end) or weight.dtype (accumulate in the returned bf16/fp16 dW:
+            the accumulator leaves the workspace, so a budget holds larger chunks, and its
+            read-modify-write traffic halves; dW is rounded once per chunk, the choice of Liger's
+            FLCE). Anything else is refused. No effect on dX, on d bias (fp32), or on the
+            unfused path (its vocabulary-outer backward writes each dW block once).
     """
     cfg = PolicyLossConfig() if config is None else config
     if not isinstance(cfg, PolicyLossConfig):
@@ -587,6 +604,9 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
                          "tensor giving each token's sequence")
     backend = resolve_backend(backend, dev)
     workspace_bytes = check_workspace_bytes(workspace_bytes)
+    if dw_accum_dtype not in (torch.float32, weight.dtype):
+        raise ValueError(f"dw_accum_dtype must be torch.float32 or the weight's dtype "
+                         f"({weight.dtype}), got {dw_accum_dtype!r}")
     head, inv_temp = build_head(bias, logit_softcap, logit_scale, weight,
                                 1.0 / float(cfg.temperature))
     head_kw = dict(bias=bias, logit_softcap=logit_softcap, logit_scale=logit_scale)
@@ -626,10 +646,10 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
                      need_dx=grad_on and hidden.requires_grad,
                      need_dw=grad_on and weight.requires_grad,
                      need_db=(grad_on and head is not None and bias is not None
-                              and bias.requires_grad))
+                              and bias.requires_grad), dw_dtype=dw_accum_dtype)
         plan.chunk = _chunk_rows(rows.numel(), weight, head, plan.fast,
                                  plan.need_dx or plan.need_dw or plan.need_db, plan.need_dw,
-                                 workspace_bytes, chunk_size, with_ent)
+                                 workspace_bytes, chunk_size, with_ent, dw_accum_dtype)
         b = bias if head is not None else None
         if plan.need_dx or plan.need_dw or plan.need_db:
             loss = _FusedPolicyLoss.apply(x_c.contiguous(), weight.contiguous(), b, plan)

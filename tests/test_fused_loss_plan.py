@@ -109,3 +109,89 @@ def test_bf16_logits_would_be_unsound():
         return float((torch.log_softmax(stored.double(), -1).gather(1, t) - ref).abs().max())
     assert err(z.float()) < 1e-4            # ~9e-7
     assert err(z.bfloat16()) > 1e-2         # ~5.6e-2
+
+
+# ---- dw_accum_dtype=weight.dtype: dW accumulated in the returned low-precision dW ---------------
+# Each chunk rounds the running dW once to the weight dtype (unit roundoff u), so against float64
+# dW carries up to ~k * u relative error after k chunks (each rounding <= u * |running sum|, and a
+# running sum of random-signed chunk terms stays within ~|final dW|), plus the final rounding.
+UNIT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+
+
+@pytest.mark.parametrize("dtype,backend", [(torch.float16, "triton"), (torch.float16, "torch"),
+                                           (torch.bfloat16, "torch")])
+def test_weight_dtype_accumulation_matches_float64_within_its_roundings(monkeypatch, dtype,
+                                                                         backend):
+    cfg = PolicyLossConfig(w_observed=0.5)
+    batch = make_batch(n=83, h=16, v=257, seed=6)
+    batch["hidden"], batch["weight"] = batch["hidden"].to(dtype), batch["weight"].to(dtype)
+    ref_loss, ref_dx, ref_dw = reference(batch, cfg)
+    v, h = batch["weight"].shape
+
+    def run(acc, budget):
+        x = batch["hidden"].clone().requires_grad_()
+        w = batch["weight"].clone().requires_grad_()
+        out = linear_policy_loss(x, w, batch["targets"], batch["roles"], batch["advantages"],
+                                 batch["old_logp"], cfg, fused=True, backend=backend,
+                                 workspace_bytes=budget, dw_accum_dtype=acc)
+        out.loss.backward()
+        return out, x.grad, w.grad
+
+    # the torch fast path (no entropy, no head variant, CPU) keeps a fp32 weight copy and, with a
+    # low-precision accumulator, one fp32 chunk sum (V x H fp32 each: no saving there); the
+    # Triton path (the CUDA one) holds only the chunk's logits
+    fixed = 2 * v * h * 4 if backend == "torch" else 0
+    budget = fixed + 12 * v * 4            # 12 rows of fp32 logits
+    seen = _recorded_rows(monkeypatch)
+    out, dx, dw = run(dtype, budget)
+    assert seen == [12]                    # the accumulator is the returned dW: not in the budget
+    if backend == "triton":                # 12 rows < the 16 rows' worth of an fp32 accumulator
+        with pytest.raises(ValueError, match="cannot hold the fused loss's"):
+            run(torch.float32, budget)
+    n_loss = sum(int(m["tokens"]) for m in out.metrics.values())
+    k = -(-n_loss // 12)
+    assert k >= 3 and dw.dtype == dtype
+    u = UNIT_ROUNDOFF[dtype]
+    assert abs(out.loss.item() - ref_loss.item()) <= TOL * max(1.0, abs(ref_loss.item()))
+    assert rel_err(dx, ref_dx) <= TOL + u                  # dX: untouched by the option
+    err_low = rel_err(dw, ref_dw)
+    assert err_low <= TOL + (k + 1) * u, (err_low, k)
+    _, _, dw32 = run(torch.float32, budget + (v * h * 4 if backend == "triton" else 0))
+    assert seen[-1] == 12                                  # fp32 accumulator, same 12-row chunks
+    assert rel_err(dw32, ref_dw) <= TOL + u
+    assert not torch.equal(dw32, dw)                       # the option did change the summation
+
+
+def test_bad_dw_accum_dtype_refused():
+    b = make_batch(n=12, seed=31)
+    for w_dtype, bad in ((torch.float32, torch.float16), (torch.bfloat16, torch.float16),
+                         (torch.float16, torch.float64), (torch.float32, "bf16")):
+        with pytest.raises(ValueError, match="dw_accum_dtype must be torch.float32 or the weight"):
+            linear_policy_loss(b["hidden"].to(w_dtype), b["weight"].to(w_dtype), b["targets"],
+                               b["roles"], b["advantages"], b["old_logp"], PolicyLossConfig(),
+                               backend="torch", dw_accum_dtype=bad)
+
+
+# ---- the fp32-output GEMM probe: warned once, recorded, an OOM never taken for "unsupported" ----
+def test_out_dtype_probe_warns_once_and_never_swallows_oom(monkeypatch):
+    from fastrehearse.kernels import _common
+    monkeypatch.setattr(_common, "_OUT_DTYPE_OK", {})
+    like = torch.ones(2, 2, dtype=torch.bfloat16)
+
+    def mm(*a, **kw):                           # a torch without out_dtype
+        raise TypeError("mm() got an unexpected keyword argument 'out_dtype'")
+    with pytest.warns(UserWarning, match=r"torch.mm\(..., out_dtype=float32\) is unavailable"):
+        assert _common._out_dtype_ok(mm, like) is False
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # once: the second call neither probes nor warns
+        assert _common._out_dtype_ok(mm, like) is False
+    assert _common.fp32_gemm_fallbacks() == ["mm:cpu:bfloat16"]
+
+    def addmm(*a, **kw):                        # the probe itself runs out of memory
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    with pytest.raises(torch.OutOfMemoryError):
+        _common._out_dtype_ok(addmm, like)
+    assert "addmm:cpu:bfloat16" not in _common._OUT_DTYPE_OK    # not recorded as unsupported
+    # a torch that has it (this one, on the CPU): the real op probes fine, nothing recorded
+    assert _common._out_dtype_ok(torch.mm, like) in (True, False)

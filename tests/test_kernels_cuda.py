@@ -97,3 +97,33 @@ def test_policy_loss_cuda(fused, backend, dtype):
     assert abs(out.loss.item() - loss_ref.item()) <= logp_tol * max(1.0, abs(loss_ref.item()))
     assert rel_err(xk.grad.cpu(), xr.grad) <= grad_tol
     assert rel_err(wk.grad.cpu(), wr.grad) <= grad_tol
+
+
+@pytest.mark.parametrize("chunk", [None, 17])
+def test_policy_loss_cuda_bf16_dw_accumulator(chunk):
+    """dw_accum_dtype=torch.bfloat16 on the GPU path (cuBLAS addmm into the bf16 dW, beta = 1):
+    dW within k + 1 bf16 roundings of float64, dX as tight as the default."""
+    n, h, v = 96, 64, 3001
+    cfg = PolicyLossConfig(w_observed=0.5)
+    x, w, t, _ = _inputs(n, h, v, torch.bfloat16, seed=9)
+    g = torch.Generator().manual_seed(10)
+    roles = torch.randint(0, 4, (n,), generator=g)
+    rl = (roles == int(Role.ACT)) | (roles == int(Role.REHEARSE))
+    with torch.no_grad():
+        lp, _ = linear_logprobs(x.float(), w.float(), t, backend="torch")
+    nan = torch.full((n,), float("nan"))
+    adv = torch.where(rl, torch.randn(n, generator=g), nan)
+    old = torch.where(rl, lp + 0.4 * torch.randn(n, generator=g), nan)
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    ref_policy_loss(xr, wr, t, roles, adv, old, None, cfg).backward()
+    xk, wk = x.cuda().requires_grad_(), w.cuda().requires_grad_()
+    out = linear_policy_loss(xk, wk, t.cuda(), roles.cuda(), adv.cuda(), old.cuda(), cfg,
+                             backend="triton", chunk_size=chunk, dw_accum_dtype=torch.bfloat16)
+    out.loss.backward()
+    torch.cuda.synchronize()
+    rows = sum(1 for r in roles.tolist() if cfg.role_weights()[r] != 0)
+    k = 1 if chunk is None else -(-rows // chunk)
+    logp_tol, grad_tol = TOL[torch.bfloat16]
+    assert wk.grad.dtype == torch.bfloat16
+    assert rel_err(xk.grad.cpu(), xr.grad) <= grad_tol
+    assert rel_err(wk.grad.cpu(), wr.grad) <= grad_tol + (k + 1) * 2.0 ** -8
