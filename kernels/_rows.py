@@ -106,8 +106,19 @@ def row_grad_triton(z, t, lse, ent, g1, g2, inv_temp: float, out=None):
 # tanh is written out (libdevice's is not available under TRITON_INTERPRET): an odd Taylor
 # polynomial for |x| < 0.25, where (1 - e) / (1 + e) with e = exp(-2|x|) would lose relative
 # precision to cancellation (the truncation error there is < 1e-8 relative), that quotient elsewhere
-# (exp(-2|x|) -> 0 gives exactly +-1 for large |x|). It is inlined in both kernels, not a jit
-# helper, so every @triton.jit function in this module is a launchable kernel.
+# (exp(-2|x|) -> 0 gives exactly +-1 for large |x|). A device helper, inlined by the compiler
+# (tests/test_kernels_aot.py accepts it as called from the launched head kernels).
+
+
+@triton.jit
+def _tanh(x):
+    ax = tl.abs(x)
+    e = tl.exp(-2.0 * ax)
+    x2 = x * x
+    poly = ax * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
+        -0.05396825396825397 + x2 * 0.021869488536155203))))
+    th = tl.where(ax < 0.25, poly, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0, -th, th)
 
 
 @triton.jit
@@ -122,14 +133,7 @@ def _head_fwd_kernel(z_ptr, stride_z, u_ptr, stride_u, b_ptr, V, scale, softcap,
         z += tl.load(b_ptr + cols, mask=valid, other=0.0).to(tl.float32)
     z = z * scale
     if HAS_CAP:
-        x = z / softcap
-        ax = tl.abs(x)
-        e = tl.exp(-2.0 * ax)
-        x2 = x * x
-        poly = ax * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
-            -0.05396825396825397 + x2 * 0.021869488536155203))))
-        th = tl.where(ax < 0.25, poly, (1.0 - e) / (1.0 + e))
-        z = softcap * tl.where(x < 0, -th, th)
+        z = softcap * _tanh(z / softcap)
     tl.store(u_ptr + row * stride_u + cols, z, mask=valid)
 
 
@@ -146,13 +150,7 @@ def _head_bwd_kernel(z_ptr, stride_z, dz_ptr, stride_dz, b_ptr, V, scale, softca
         z = tl.load(z_ptr + row * stride_z + cols, mask=valid, other=0.0).to(tl.float32)
         if HAS_BIAS:
             z += tl.load(b_ptr + cols, mask=valid, other=0.0).to(tl.float32)
-        x = z * scale / softcap
-        ax = tl.abs(x)
-        e = tl.exp(-2.0 * ax)
-        x2 = x * x
-        poly = ax * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
-            -0.05396825396825397 + x2 * 0.021869488536155203))))
-        th = tl.where(ax < 0.25, poly, (1.0 - e) / (1.0 + e))
+        th = _tanh(z * scale / softcap)
         g = g * (scale * (1.0 - th * th))
     else:
         g = g * scale
