@@ -68,6 +68,7 @@ JOBS = {
     "bfcl-single-r4":        ("bfcl", SINGLE, 4, None, "bfcl", False, False),
     "bfcl-multi-r0":         ("bfcl", MULTI, 0, None, "bfcl_multi", False, False),
     "tau2-r0":               ("tau2", None, 0, None, "tau2", False, False),
+    "bfcl-multi-r1":         ("bfcl", MULTI, 1, None, "bfcl_multi", False, False),
     "bfcl-multi-r2":         ("bfcl", MULTI, 2, None, "bfcl_multi", False, False),
     "tau2-r2":               ("tau2", None, 2, None, "tau2", False, False),
     # test-time rehearsal with --rehearsal-commit select (no memory in context; best of greedy + drafts)
@@ -79,6 +80,7 @@ JOBS = {
     "builtin-easy-answer-r1": ("builtin", EASY_ANSWER, 1, None, "easy", False, True),
     "builtin-easy-answer-r2": ("builtin", EASY_ANSWER, 2, None, "easy", False, True),
     "bfcl-single-s2":        ("bfcl", SINGLE, 2, None, "bfcl", False, False, "select"),
+    "bfcl-multi-s1":         ("bfcl", MULTI, 1, None, "bfcl_multi", False, False, "select"),
     "bfcl-multi-s2":         ("bfcl", MULTI, 2, None, "bfcl_multi", False, False, "select"),
     "tau2-s2":               ("tau2", None, 2, None, "tau2", False, False, "select"),
 }

@@ -141,9 +141,9 @@ def eval_cmds(a, cfg, export: Path, run_dir: Path) -> list[tuple[Path, list[str]
 
 def plan(a, cfg) -> dict:
     warm = a.runs / "warmup"
-    runs = {}
-    for arm in a.arms:
-        for seed in range(a.seeds):
+    runs = {}   # seed-major: with --jobs 2 every arm's seed 0 finishes before any seed 1 starts
+    for seed in range(a.seeds):
+        for arm in a.arms:
             d = a.runs / f"{arm}-s{seed}"
             steps = ["steps=0", f"sft.steps={a.steps}"] if arm == "sft-only" else \
                     ["sft.steps=0", f"steps={a.steps}"]
