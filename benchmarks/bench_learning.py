@@ -264,15 +264,29 @@ def curves(run_dir: Path) -> dict:
                 pass   # a line cut short by a kill
     except OSError:
         return {}
-    out = {"step": [], "stage": [], "reward": [], "fidelity": [], "loss": []}
+    keys = ("reward", "fidelity", "loss", "zero_signal_groups", "episodes")
+    out = {"step": [], "stage": [], **{k: [] for k in keys}}
     for r in rows:
         if "step" not in r:
             continue
         out["step"].append(r["step"])
         out["stage"].append(r.get("stage"))
-        for k in ("reward", "fidelity", "loss"):
+        for k in keys:
             out[k].append(r.get(k))
     return out
+
+
+def training_signal(c: dict) -> dict:
+    """What the RL steps had to learn from (metrics.jsonl): mean reward, the share of GRPO groups
+    whose rewards were all equal (zero advantage: no policy gradient), mean rollout fidelity."""
+    def mean(xs):
+        v = [x for x in xs if x is not None]
+        return sum(v) / len(v) if v else None
+    rl = [i for i, st in enumerate(c.get("stage", [])) if st == "rl"]
+    return {"rl_steps": len(rl), "mean_reward": mean([c["reward"][i] for i in rl]),
+            # the trainer logs it per step as the fraction of that step's groups
+            "zero_signal_share": mean([c["zero_signal_groups"][i] for i in rl]),
+            "mean_rollout_fidelity": mean([c["fidelity"][i] for i in rl])}
 
 
 def weight_change(export: Path, ref: Path) -> float | None:
@@ -309,9 +323,11 @@ def report(a, cfg, pl: dict, failures: list, wall_s: float | None) -> dict:
             d = pl["runs"][(arm, seed)]["run_dir"]
             m, miss = read_metrics(a, cfg, d)
             missing += miss
+            cv = curves(d)
             seeds[str(seed)] = {"run_dir": str(d), "metrics": m,
                                 "weight_change": weight_change(d / "export", warm / "export"),
-                                "curves": curves(d), "train_command": shell(pl["runs"][(arm, seed)]["train"], a.threads),
+                                "curves": cv, "signal": training_signal(cv),
+                                "train_command": shell(pl["runs"][(arm, seed)]["train"], a.threads),
                                 "eval_commands": [shell(c, a.threads) for _, c in pl["runs"][(arm, seed)]["evals"]]}
         summ = {k: stats([s["metrics"].get(k) for s in seeds.values()]) for k in METRICS}
         summ["weight_change"] = stats([s["weight_change"] for s in seeds.values()])
@@ -364,6 +380,17 @@ def write_md(res: dict, path: Path) -> None:
             cells[-1] = "no calls made"   # nothing rehearsed to compare with a real response
         lines.append(f"| {arm} | " + " | ".join(cells)
                      + f" | {_fmt(r['summary']['weight_change'], pct=False)} |")
+    sig = [(arm, seed, s["signal"]) for arm, r in res["arms"].items() for seed, s in r["seeds"].items()
+           if s.get("signal", {}).get("rl_steps")]
+    if sig:
+        f = lambda x, pct=True: "-" if x is None else (f"{100 * x:.1f}" if pct else f"{x:.3f}")  # noqa: E731
+        lines += ["", "## Training signal (each RL run's metrics.jsonl)", "",
+                  "A GRPO group whose samples all got the same reward has zero advantage: no policy "
+                  "gradient from it.", "",
+                  "| arm | seed | RL steps | mean reward % | zero-signal groups % | mean rollout fidelity % |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {arm} | {seed} | {g['rl_steps']} | {f(g['mean_reward'])} | {f(g['zero_signal_share'])} "
+                  f"| {f(g['mean_rollout_fidelity'])} |" for arm, seed, g in sig]
     if res["missing"] or res["failures"]:
         lines += ["", "## Missing / failed (never counted as scores)", ""]
         lines += [f"- {m}" for m in res["missing"]] + [f"- rc {f['rc']}: `{f['command']}` (log {f['log']})"
