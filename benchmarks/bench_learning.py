@@ -7,7 +7,10 @@ a normal `fastrehearse train` run directory starting from the warm-up export, wi
 of optimizer steps, tasks per step, group size and seeds:
   sft-only  --steps more SFT steps (same optimizer steps, no RL: separates "more training" from "RL")
   real      GRPO with every call executed for real (rollout.mode=real)
-  rehearse  role-wise GRPO on the model's own rehearsed responses (rollout.mode=rehearse, EnvACE)
+  rehearse  role-wise GRPO on the model's own rehearsed responses (rollout.mode=rehearse, EnvACE),
+            rewarded like every other arm (calls and final answer checked)
+  rehearse-calls  the same, rewarded on the calls only (env.options.easy_answer=false): the answer
+            check needs the real tool's value, which a rehearsing trainer never sees
   hybrid    rollout.mode=hybrid, hybrid_p=0.3, CE on the real (OBSERVED) responses (w_observed=1)
 Then `fastrehearse eval` (real tools, greedy) on each final export and on the warm-up: task success
 (EASY: the spelled-out call made), answer-checked success, answer-checked success under API drift,
@@ -45,11 +48,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, hardware  # noqa: E402
 
-ARMS = ("sft-only", "real", "rehearse", "hybrid")
+ARMS = ("sft-only", "real", "hybrid", "rehearse-calls", "rehearse")
 ARM_SETS = {   # --set overrides of each arm (on top of: start from the warm-up export, seed, steps)
     "sft-only": [],
     "real": ["rollout.mode=real"],
     "rehearse": ["rollout.mode=rehearse"],
+    # Rehearse-only with the reward a rehearsing trainer can compute without the real tool: the
+    # calls are graded (right tool, right arguments, replayed offline on the task's world) but not
+    # the final answer, whose value only the real tool's response holds. Same prompts and eval.
+    "rehearse-calls": ["rollout.mode=rehearse", "env.options.easy_answer=false"],
     "hybrid": ["rollout.mode=hybrid", "rollout.hybrid_p=0.3", "algo.loss.w_observed=1.0"],
 }
 DRIFT = "rename,errors,units,formats"

@@ -67,6 +67,34 @@ def test_leave_one_out_hand_computed():
     _check_tokens(eps[3], 0.0, 0.4)
 
 
+REAL_ROLES = [C, C, A, A, O, O, A]     # a call executed for real: no REHEARSE token
+
+
+@pytest.mark.parametrize("loo", [False, True])
+def test_role_baseline_only_over_episodes_where_the_role_acted(loo):
+    """Hybrid rollouts: real-call episodes (reward 1, no REHEARSE token) must not enter the
+    REHEARSE baseline -- pooled, every rehearsal got a negative advantage and the world model
+    collapsed in the issue-15 experiment."""
+    eps = [_ep("h", 1.0, roles=REAL_ROLES), _ep("h", 1.0, roles=REAL_ROLES),
+           _ep("h", 0.0), _ep("h", 0.5),                     # rehearsed
+           _ep("s", 1.0, roles=REAL_ROLES), _ep("s", 0.0)]   # one rehearsal in its group
+    stats = compute_advantages(eps, AdvantageConfig(leave_one_out=loo))
+    if loo:   # ACT over all 4 of "h": others' means [0.5, 0.5, 0.833.., 0.666..]; REHEARSE over 2
+        act, reh = [0.5, 0.5, -2.5 / 3, 0.5 - 2 / 3], [-0.5, 0.5]
+    else:     # ACT mean 0.625 over 4; REHEARSE mean 0.25 over the 2 that rehearsed
+        act, reh = [0.375, 0.375, -0.625, -0.125], [-0.25, 0.25]
+    for ep, a in zip(eps[:2], act[:2]):
+        assert ep.advantages == pytest.approx([0, 0, a, a, 0, 0, a], abs=1e-12)
+    _check_tokens(eps[2], act[2], reh[0])
+    _check_tokens(eps[3], act[3], reh[1])
+    # group "s": ACT +-0.5, its single rehearsal has no baseline -> 0 (a lone role has no signal)
+    a_s = 1.0 if loo else 0.5
+    assert eps[4].advantages == pytest.approx([0, 0, a_s, a_s, 0, 0, a_s], abs=1e-12)
+    _check_tokens(eps[5], -a_s, 0.0)
+    assert stats.mean_reward["REHEARSE"] == pytest.approx((0.0 + 0.5 + 0.0) / 3)
+    assert stats.zero_std_frac == {"ACT": 0.0, "REHEARSE": 0.0}
+
+
 def test_singleton_group_gets_zero_and_rejects_nonfinite():
     assert group_advantages(torch.tensor([0.7])).tolist() == [0.0]
     with pytest.raises(ValueError, match="non-finite"):

@@ -98,11 +98,12 @@ def test_dry_run_prints_the_matched_plan(tmp_path):
     lines = [ln.strip() for ln in r.stdout.splitlines()]
     train = [ln for ln in lines if " fastrehearse train " in f" {ln} "]
     evals = [ln for ln in lines if " fastrehearse eval " in f" {ln} "]
-    assert len(train) == 1 + 4 * 3 and len(evals) == 2 * len(train)
+    assert len(train) == 1 + 5 * 3 and len(evals) == 2 * len(train)
     assert not any((tmp_path / "runs").iterdir()) if (tmp_path / "runs").exists() else True
     warm = f"{tmp_path / 'runs'}/warmup/export"
     for arm, sets in (("sft-only", ["steps=0", "sft.steps=5"]), ("real", ["steps=5", "rollout.mode=real"]),
                       ("rehearse", ["steps=5", "rollout.mode=rehearse"]),
+                      ("rehearse-calls", ["steps=5", "rollout.mode=rehearse", "env.options.easy_answer=false"]),
                       ("hybrid", ["steps=5", "rollout.hybrid_p=0.3", "algo.loss.w_observed=1.0"])):
         mine = [ln for ln in train if f"/{arm}-s" in ln]
         assert len(mine) == 3 and {f"seed={s}" for s in range(3)} == {
@@ -124,12 +125,14 @@ def test_bad_arguments_refused(args):
 @pytest.mark.slow
 def test_tiny_pipeline_end_to_end(tmp_path):
     runs = tmp_path / "runs"
-    r = _bench("--tiny", "--runs", str(runs), "--n-eval", "2", timeout=1200)
+    # every arm but plain rehearse (it differs from rehearse-calls by one --set; the dry run checks it)
+    arms = "sft-only,real,hybrid,rehearse-calls"
+    r = _bench("--tiny", "--runs", str(runs), "--n-eval", "2", "--arms", arms, timeout=1200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((runs / "learning_tiny.json").read_text())
     assert (runs / "learning_tiny.md").exists() and (runs / "learning_tiny.png").stat().st_size > 0
     assert res["tiny"] and res["failures"] == [] and res["missing"] == []
-    assert set(res["arms"]) == {"sft-only", "real", "rehearse", "hybrid"}
+    assert set(res["arms"]) == set(arms.split(","))
     for arm, r_ in res["arms"].items():
         assert set(r_["seeds"]) == {"0", "1"}
         for seed, s in r_["seeds"].items():
@@ -155,6 +158,6 @@ def test_tiny_pipeline_end_to_end(tmp_path):
             assert r_["summary"][k]["n_seeds"] == 2
     # a second invocation finds everything done: nothing is retrained or re-evaluated
     before = {p: p.stat().st_mtime_ns for p in runs.rglob("results.json")}
-    r2 = _bench("--tiny", "--runs", str(runs), "--n-eval", "2", timeout=600)
+    r2 = _bench("--tiny", "--runs", str(runs), "--n-eval", "2", "--arms", arms, timeout=600)
     assert r2.returncode == 0, r2.stdout[-2000:]
     assert {p: p.stat().st_mtime_ns for p in runs.rglob("results.json")} == before

@@ -1,17 +1,26 @@
 """Role-wise GRPO advantages (plain torch).
 
 World rehearsal trains one model in two roles, so each role gets its own baseline. For a task group
-g (the episodes of one task id sampled in this step) and a role r in {ACT, REHEARSE}:
+g (the episodes of one task id sampled in this step) and a role r in {ACT, REHEARSE}, let g_r be the
+episodes of g that hold at least one token of role r (the episodes in which that role acted):
 
     R_i^r = role_rewards[r] if episode i overrides role r, else reward_i
-    b_i^r = mean_j R_j^r                        (default: the GRPO group mean)
-          = mean_{j != i} R_j^r                 (leave_one_out: the RLOO baseline)
-    A_i^r = R_i^r - b_i^r
-    A_i^r = A_i^r / (std_j R_j^r + eps)         (std_normalize; off by default, as in the paper's
+    b_i^r = mean_{j in g_r} R_j^r               (default: the GRPO group mean)
+          = mean_{j in g_r, j != i} R_j^r       (leave_one_out: the RLOO baseline)
+    A_i^r = R_i^r - b_i^r                       (i in g_r)
+    A_i^r = A_i^r / (std_{j in g_r} R_j^r + eps)  (std_normalize; off by default, as in the paper's
                                                  code and Dr. GRPO: it up-weights near-solved groups)
 
-`std` is the unbiased sample std (torch.std, as verl). A group of one episode has no baseline and
-gets advantage 0 (no learning signal; verl would use the raw reward there).
+Why g_r and not g: in hybrid rollouts some episodes execute every call for real and hold no
+REHEARSE token. Pooling their rewards into the REHEARSE baseline compared rehearsals against
+episodes that never rehearsed: with a real-value answer check (real episodes reward 1, rehearsed
+ones 0) every rehearsal got a negative advantage whatever its quality, and the world model
+collapsed (docs/learning.md measured rollout fidelity 0.5 -> 0 in 4 steps). A role is compared
+only with the same role on the same task.
+
+`std` is the unbiased sample std (torch.std, as verl). A role that acted in fewer than two episodes
+of a group has no baseline and gets advantage 0 (no learning signal; verl would use the raw reward
+there).
 
 Per-token broadcast: every token of episode i whose own role is r gets A_i^r (Episode.advantages
 is aligned with Episode.input_ids; packing shifts by one to the target). CONTEXT and OBSERVED tokens
@@ -50,7 +59,8 @@ class AdvantageConfig:
 class AdvantageStats:
     """What the trainer logs about one step's advantages."""
     num_groups: int = 0
-    # Groups whose rewards for a role are all equal carry no signal for that role.
+    # Groups whose rewards for a role (over the episodes where the role acted) are all equal carry
+    # no signal for that role; mean_reward / mean_abs_adv are over those episodes too.
     zero_std_frac: dict[str, float] = field(default_factory=dict)
     mean_reward: dict[str, float] = field(default_factory=dict)
     mean_abs_adv: dict[str, float] = field(default_factory=dict)
@@ -118,12 +128,15 @@ def compute_advantages(episodes: list[Episode], config: AdvantageConfig | None =
 
     for idx in groups.values():
         for role in roles:
-            rewards = torch.tensor([_role_reward(episodes[i], role) for i in idx], dtype=torch.float64)
+            members = [i for i in idx if bool((role_t[i] == int(role)).any())]   # g_r
+            if not members:
+                continue
+            rewards = torch.tensor([_role_reward(episodes[i], role) for i in members], dtype=torch.float64)
             adv = group_advantages(rewards, std_normalize=cfg.std_normalize,
                                    leave_one_out=cfg.leave_one_out, eps=cfg.eps)
-            zero_std[role.name] += int(len(idx) > 1 and bool((rewards == rewards[0]).all()))
+            zero_std[role.name] += int(len(members) > 1 and bool((rewards == rewards[0]).all()))
             all_r[role.name] += rewards.tolist()
-            for a, i in zip(adv.tolist(), idx):
+            for a, i in zip(adv.tolist(), members):
                 per_token[i][role_t[i] == int(role)] = a
                 abs_adv[role.name].append(abs(a))
         _add_turn_advantages(episodes, idx, per_token, cfg, roles)
