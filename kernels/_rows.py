@@ -78,6 +78,19 @@ def _block_v(v: int, device: torch.device) -> int:
     return max(16, min(cap, triton.next_power_of_2(v)))
 
 
+def _row_num_warps(v: int, device: torch.device) -> int:
+    """Warps per program of the one-program-per-row kernels, by vocabulary size.
+
+    Why not triton's default 4: a chunk is ~512 rows, so ~4 programs per SM on a 132-SM H100/H200;
+    at 4 warps that is 16 of an SM's 64 warp slots, too few loads in flight to stream a 128k-wide
+    row at HBM bandwidth. One warp per 256 columns of the block (16 at V >= 4096, fewer for small
+    vocabularies, where a row is a few loads anyway) fills the slots. This is an occupancy argument,
+    a PREDICTION: benchmarks/gpu_microbench.py sweeps 4/8/16/32 on a GPU to confirm or replace it.
+    The CPU interpreter ignores num_warps.
+    """
+    return max(4, min(16, _block_v(v, device) // 256))
+
+
 def row_stats_triton(z, t, inv_temp: float, with_entropy: bool):
     c, v = z.shape
     logp = torch.empty(c, device=z.device, dtype=torch.float32)
@@ -85,7 +98,8 @@ def row_stats_triton(z, t, inv_temp: float, with_entropy: bool):
     ent = torch.empty_like(logp) if with_entropy else logp  # dummy pointer when unused
     if c:
         _row_stats_kernel[(c,)](z, z.stride(0), t, logp, ent, lse, v, float(inv_temp),
-                                WITH_ENT=with_entropy, BLOCK_V=_block_v(v, z.device))
+                                WITH_ENT=with_entropy, BLOCK_V=_block_v(v, z.device),
+                                num_warps=_row_num_warps(v, z.device))
     return logp, (ent if with_entropy else None), lse
 
 
@@ -98,7 +112,7 @@ def row_grad_triton(z, t, lse, ent, g1, g2, inv_temp: float, out=None):
                                ent if ent is not None else dummy,
                                g1 if g1 is not None else dummy, g2 if g2 is not None else dummy,
                                v, float(inv_temp), HAS_G1=g1 is not None, HAS_G2=g2 is not None,
-                               BLOCK_V=_block_v(v, z.device))
+                               BLOCK_V=_block_v(v, z.device), num_warps=_row_num_warps(v, z.device))
     return out
 
 
