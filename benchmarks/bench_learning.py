@@ -320,6 +320,37 @@ def stats(xs: list) -> dict:
     return {"mean": m, "std": sd, "min": min(v), "max": max(v), "n_seeds": len(v)}
 
 
+VERSUS = ("answer_success", "heldout_success", "drift_success", "task_success")
+
+
+def versus_sft(arms: dict) -> dict:
+    """Each RL arm against SFT-only: difference of seed means and the seed spread it must beat.
+
+    spread = the larger of the two arms' seed std: the issue-15 criterion "beats SFT-only by more
+    than the seed spread". With 2 seeds a std is crude; the per-seed numbers stay in the JSON.
+    """
+    base = arms.get("sft-only")
+    if base is None:
+        return {}
+    out = {}
+    for arm, r in arms.items():
+        if arm == "sft-only":
+            continue
+        out[arm] = {}
+        for k in VERSUS:
+            a_, b_ = r["summary"][k], base["summary"][k]
+            if a_["mean"] is None or b_["mean"] is None:
+                out[arm][k] = {"delta": None, "spread": None, "verdict": "missing"}
+                continue
+            d = a_["mean"] - b_["mean"]
+            sds = [x for x in (a_["std"], b_["std"]) if x is not None]
+            spread = max(sds) if len(sds) == 2 else None
+            verdict = ("n/a (< 2 seeds)" if spread is None else "beats" if d > spread
+                       else "worse" if d < -spread else "within spread")
+            out[arm][k] = {"delta": d, "spread": spread, "verdict": verdict}
+    return out
+
+
 def report(a, cfg, pl: dict, failures: list, wall_s: float | None) -> dict:
     warm = pl["warmup"]["run_dir"]
     wm, wmiss = read_metrics(a, cfg, warm)
@@ -350,7 +381,7 @@ def report(a, cfg, pl: dict, failures: list, wall_s: float | None) -> dict:
                  "categories": categories(cfg), "drift": DRIFT, "estimate": estimate_s(a, cfg)},
         "warmup": {"run_dir": str(warm), "metrics": wm, "train_command": shell(pl["warmup"]["train"], a.threads),
                    "eval_commands": [shell(c, a.threads) for _, c in pl["warmup"]["evals"]]},
-        "arms": arms, "missing": missing, "failures": failures,
+        "arms": arms, "versus_sft_only": versus_sft(arms), "missing": missing, "failures": failures,
     }
 
 
@@ -387,6 +418,18 @@ def write_md(res: dict, path: Path) -> None:
             cells[-1] = "no calls made"   # nothing rehearsed to compare with a real response
         lines.append(f"| {arm} | " + " | ".join(cells)
                      + f" | {_fmt(r['summary']['weight_change'], pct=False)} |")
+    vs = res.get("versus_sft_only") or {}
+    if vs:
+        def cell(v: dict) -> str:
+            d = "-" if v["delta"] is None else f"{100 * v['delta']:+.1f}"
+            sp = "-" if v["spread"] is None else f"{100 * v['spread']:.1f}"
+            return f"{d} ({sp}): {v['verdict']}"
+        lines += ["", "## Against SFT-only (difference of seed means, percentage points)", "",
+                  "An arm beats SFT-only when its difference exceeds the seed spread (the larger seed "
+                  "std of the two arms).", "",
+                  "| arm | " + " | ".join(f"Δ {names[k]} (spread): verdict" for k in VERSUS) + " |",
+                  "|---|" + "---|" * len(VERSUS)]
+        lines += [f"| {arm} | " + " | ".join(cell(v[k]) for k in VERSUS) + " |" for arm, v in vs.items()]
     sig = [(arm, seed, s["signal"]) for arm, r in res["arms"].items() for seed, s in r["seeds"].items()
            if s.get("signal", {}).get("rl_steps")]
     if sig:

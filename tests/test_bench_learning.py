@@ -116,6 +116,20 @@ def test_dry_run_prints_the_matched_plan(tmp_path):
     assert all("--drift" in ln for ln in evals if ln not in held)
 
 
+def test_versus_sft_only_verdicts_hand_computed():
+    sys.path.insert(0, str(BENCH.parent))
+    import bench_learning as bl
+    arm = lambda *xs: {"summary": {k: bl.stats(list(xs)) for k in bl.VERSUS}}  # noqa: E731
+    vs = bl.versus_sft({"sft-only": arm(0.5, 0.7), "real": arm(0.9, 0.9), "hybrid": arm(0.55, 0.75),
+                        "rehearse": arm(0.1, 0.2), "rehearse-calls": arm(0.9)})
+    sd = 0.2 / 2 ** 0.5                                   # seed std of (0.5, 0.7)
+    assert vs["real"]["answer_success"] == pytest.approx({"delta": 0.3, "spread": sd, "verdict": "beats"})
+    assert vs["hybrid"]["heldout_success"]["verdict"] == "within spread"
+    assert vs["rehearse"]["task_success"]["verdict"] == "worse"
+    assert vs["rehearse-calls"]["drift_success"]["verdict"] == "n/a (< 2 seeds)"   # one seed: no spread
+    assert "sft-only" not in vs and bl.versus_sft({"real": arm(1.0)}) == {}
+
+
 @pytest.mark.parametrize("args", [["--arms", "real,bogus"], ["--seeds", "0"], ["--n-eval", "0"]])
 def test_bad_arguments_refused(args):
     r = _bench("--dry-run", *args)
