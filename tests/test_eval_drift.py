@@ -232,3 +232,28 @@ def test_drift_env_forwards_every_protocol_member():
     for name in members:
         assert getattr(env, name) == getattr(inner, name), name
     assert env.next_user_message({"role": "assistant", "content": "hi"}) == {"role": "user", "content": "next"}
+
+
+def test_fidelity_pass_resumes_after_a_kill(tmp_path):
+    """The fidelity pass keeps nothing on disk until it ends. A run killed after scoring but before
+    that pass ended used to resume with every item 'done' and report no fidelity at all (the bench
+    then read it as 'no calls made'): the resumed pass must cover the items scored before."""
+    from fastrehearse.eval.runner import evaluate_items
+    from fastrehearse.model import load_model
+
+    model, tok = load_model("tiny-llama")
+    call = '<tool_call>\n{"name": "get_balance", "arguments": {}}\n</tool_call>'
+    policy = ScriptedPolicy(lambda r: call if r.turn == 0 else "Done.")
+    items = [("c", TASK)]
+    s = EvalSettings(max_turns=4, max_new_tokens=16, batch_size=1, fidelity=True)
+
+    def run(sub, settings):
+        return evaluate_items(items, lambda c: Canned(RESP), model, tok, policy,
+                              ResultStore(tmp_path / sub, {}), settings)
+
+    fresh = run("fresh", s)[0].fidelity
+    assert fresh is not None and fresh["calls"] == 1.0
+    run("killed", EvalSettings(**{**s.__dict__, "fidelity": False}))   # scored, pass never ran
+    assert ResultStore(tmp_path / "killed", {}).items()[0].fidelity is None
+    run("killed", s)                                                    # the resume
+    assert ResultStore(tmp_path / "killed", {}).items()[0].fidelity == fresh

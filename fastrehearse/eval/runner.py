@@ -84,8 +84,13 @@ def evaluate_items(items: list[tuple[str, Task]], make_env: Callable[[str], Tool
 
 def _add_fidelity(done: list[ItemResult], group, make_env, model, tokenizer, policy, store: ResultStore,
                   s: EvalSettings, hcfg: HarnessConfig) -> None:
-    """Rehearse-mode pass over the items just scored; their fidelity is stored with them."""
-    scored = {r.key: r for r in done if r.error is None}
+    """Rehearse-mode pass over the scored items of `group` that have no fidelity yet (the ones just
+    scored, and on a resume the ones an interrupted run scored before its fidelity pass ended:
+    that pass keeps nothing on disk, so without them a resumed run reported no fidelity for them);
+    their fidelity is stored with them."""
+    wanted = {(c, t.id) for c, t in group}
+    scored = {r.key: r for r in store.items() if r.key in wanted and r.error is None and not r.fidelity}
+    scored.update({r.key: r for r in done if r.error is None and not r.fidelity})
     todo = [(c, t) for c, t in group if (c, t.id) in scored]
     if not todo:
         return
