@@ -257,3 +257,21 @@ def test_fidelity_pass_resumes_after_a_kill(tmp_path):
     assert ResultStore(tmp_path / "killed", {}).items()[0].fidelity is None
     run("killed", s)                                                    # the resume
     assert ResultStore(tmp_path / "killed", {}).items()[0].fidelity == fresh
+
+
+def test_cli_resume_runs_the_missing_fidelity_pass(tmp_path, monkeypatch):
+    """`fastrehearse eval --measure-fidelity` on a directory whose items are all scored but lack
+    fidelity (killed during the fidelity pass) must run the evaluation again, not just rewrite
+    results.json without fidelity; without --measure-fidelity nothing runs."""
+    from fastrehearse.eval import cli
+
+    base = ["--suite", "builtin", "--categories", "test:easy", "--limit", "2", "--policy", "tiny-llama",
+            "--max-steps", "1", "--max-new-tokens", "4", "--quiet"]
+    for flags, sub in ((["--measure-fidelity"], "fid"), ([], "plain")):
+        args = cli.build_parser().parse_args(base + flags + ["--out", str(tmp_path / sub)])
+        cli.run(args)      # tiny-llama makes no call: every item is scored without fidelity
+        calls = []
+        monkeypatch.setattr(cli, "evaluate_items", lambda *a, **k: calls.append(a[0]) or [])
+        cli.run(args)
+        monkeypatch.undo()
+        assert len(calls) == (1 if flags else 0), sub

@@ -234,13 +234,18 @@ def run(args: argparse.Namespace, loaded=None) -> dict[str, Any]:
     keys = [(c, t.id) for c, t in sr.items]
     todo = sum(not store.done(c, t.id) for c, t in sr.items)
     s = settings(args, drift)
+    # Scored items still without fidelity: an interrupted run's fidelity pass keeps nothing on disk,
+    # so a resume must run it again (items that made no call stay without one and are retried).
+    wanted = set(keys)
+    fid_todo = sum(1 for r in store.items() if s.fidelity and r.key in wanted and r.error is None
+                   and not r.fidelity)
 
     def make_env(c: str):
         env = sr.make_env(c)
         return DriftEnv(env, drift) if drift else env
 
     t0 = time.perf_counter()
-    if todo:
+    if todo or fid_todo:
         model, tok, policy = load(args, loaded)
         from tqdm import tqdm
         bar = tqdm(total=todo, desc=f"eval {args.suite}/{args.policy}", disable=args.quiet, file=sys.stderr)
