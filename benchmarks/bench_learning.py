@@ -87,6 +87,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                " --tiny <runs>/learning_tiny)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="extra train override for every run, warm-up included (e.g. optim.lr=3e-5)")
+    p.add_argument("--light-eval", default="", metavar="WHICH",
+                   help="comma list of 'warmup' and/or 'sN' (seed N of every arm): those checkpoints get "
+                        "the clean categories only, without the fidelity pass and the drift run (about "
+                        "a third of the eval time); their drift / fidelity are reported missing, never 0")
     p.add_argument("--tiny", action="store_true", help="tiny random model, a handful of steps and items")
     p.add_argument("--dry-run", action="store_true", help="print the plan and the commands; run nothing")
     p.add_argument("--report-only", action="store_true", help="only rebuild JSON/MD/PNG from the run dirs")
@@ -105,6 +109,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"{name} must be >= {lo}, got {v}")
     if bad or not a.arms:
         p.error(f"--arms: unknown {bad or 'empty'}; choose from {list(ARMS)}")
+    a.light_eval = {x.strip() for x in a.light_eval.split(",") if x.strip()}
+    odd = sorted(x for x in a.light_eval
+                 if x != "warmup" and not (x[:1] == "s" and x[1:].isdigit() and int(x[1:]) < a.seeds))
+    if odd:
+        p.error(f"--light-eval: unknown {odd}; use 'warmup' and/or s0..s{a.seeds - 1}")
     return a
 
 
@@ -132,7 +141,7 @@ def train_cmd(a, run_dir: Path, sets: list[str]) -> list[str]:
             *[x for s in [f"run_dir={run_dir}", *a.sets, *sets] for x in ("--set", s)]]
 
 
-def eval_cmds(a, cfg, export: Path, run_dir: Path) -> list[tuple[Path, list[str]]]:
+def eval_cmds(a, cfg, export: Path, run_dir: Path, light: bool = False) -> list[tuple[Path, list[str]]]:
     cats = categories(cfg)
     common = ["--suite", "builtin", "--policy", str(export), "--limit", str(a.n_eval),
               "--max-steps", str(cfg.rollout.max_turns), "--max-new-tokens", str(cfg.rollout.max_new_tokens),
@@ -140,8 +149,10 @@ def eval_cmds(a, cfg, export: Path, run_dir: Path) -> list[tuple[Path, list[str]
     base = [CLI, "eval"]
     clean = run_dir / "eval"
     drift = run_dir / "eval_drift"
-    return [(clean, base + common + ["--categories", cats["task_success"], cats["answer_success"],
-                                     cats["heldout_success"], "--measure-fidelity", "--out", str(clean)]),
+    clean_cats = ["--categories", cats["task_success"], cats["answer_success"], cats["heldout_success"]]
+    if light:
+        return [(clean, base + common + clean_cats + ["--out", str(clean)])]
+    return [(clean, base + common + clean_cats + ["--measure-fidelity", "--out", str(clean)]),
             (drift, base + common + ["--categories", cats["drift_success"], "--drift", DRIFT,
                                      "--out", str(drift)])]
 
@@ -156,9 +167,10 @@ def plan(a, cfg) -> dict:
                     ["sft.steps=0", f"steps={a.steps}"]
             sets = [f"model.spec={warm / 'export'}", f"seed={seed}", *steps, *ARM_SETS[arm]]
             runs[(arm, seed)] = {"run_dir": d, "train": train_cmd(a, d, sets), "total_steps": a.steps,
-                                 "evals": eval_cmds(a, cfg, d / "export", d)}
+                                 "evals": eval_cmds(a, cfg, d / "export", d, f"s{seed}" in a.light_eval)}
     return {"warmup": {"run_dir": warm, "train": train_cmd(a, warm, []), "total_steps": cfg.sft.steps,
-                       "evals": eval_cmds(a, cfg, warm / "export", warm)}, "runs": runs}
+                       "evals": eval_cmds(a, cfg, warm / "export", warm, "warmup" in a.light_eval)},
+            "runs": runs}
 
 
 def estimate_s(a, cfg) -> dict:
@@ -376,6 +388,7 @@ def report(a, cfg, pl: dict, failures: list, wall_s: float | None) -> dict:
         "tiny": a.tiny, "config": str(a.config), "extra_sets": a.sets, "hardware": hardware(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "wall_s_this_invocation": wall_s,
         "plan": {"arms": a.arms, "seeds": a.seeds, "steps_per_arm": a.steps, "n_eval": a.n_eval,
+                 "light_eval": sorted(a.light_eval),
                  "warmup_sft_steps": cfg.sft.steps, "tasks_per_step": cfg.rollout.tasks_per_step,
                  "group_size": cfg.rollout.group_size, "rl_lr": cfg.optim.lr, "sft_lr": cfg.sft.lr,
                  "categories": categories(cfg), "drift": DRIFT, "estimate": estimate_s(a, cfg)},
@@ -404,7 +417,10 @@ def write_md(res: dict, path: Path) -> None:
              f"{res['hardware']['torch']}; {p['seeds']} seeds per arm, {p['steps_per_arm']} optimizer steps per "
              f"arm after {p['warmup_sft_steps']} warm-up SFT steps; {p['tasks_per_step']} tasks x {p['group_size']} "
              f"samples per RL step; n = {p['n_eval']} held-out tasks per metric; categories {p['categories']}; "
-             f"drift {p['drift']}. Mean ± sample std over seeds.", "",
+             f"drift {p['drift']}. Mean ± sample std over seeds."
+             + (f" Light eval (clean categories only: no fidelity pass, no drift run) for "
+                f"{', '.join(p['light_eval'])}: their drift / fidelity are missing, and those columns "
+                f"average fewer seeds." if p.get("light_eval") else ""), "",
              "| arm | " + " | ".join(names.values()) + " | rel. weight change |",
              "|---|" + "---:|" * (len(names) + 1)]
     w = res["warmup"]["metrics"]

@@ -130,7 +130,21 @@ def test_versus_sft_only_verdicts_hand_computed():
     assert "sft-only" not in vs and bl.versus_sft({"real": arm(1.0)}) == {}
 
 
-@pytest.mark.parametrize("args", [["--arms", "real,bogus"], ["--seeds", "0"], ["--n-eval", "0"]])
+def test_light_eval_drops_fidelity_and_drift_for_the_named_checkpoints(tmp_path):
+    r = _bench("--dry-run", "--runs", str(tmp_path / "runs"), "--steps", "3", "--arms", "real,hybrid",
+               "--light-eval", "warmup,s1")
+    assert r.returncode == 0, r.stderr
+    evals = [ln.strip() for ln in r.stdout.splitlines() if " fastrehearse eval " in f" {ln} "]
+    light = [ln for ln in evals if "/warmup/" in ln or "-s1/" in ln]
+    full = [ln for ln in evals if ln not in light]
+    assert len(light) == 3 and not any("--measure-fidelity" in ln or "--drift" in ln for ln in light)
+    assert len(full) == 4 and sum("--measure-fidelity" in ln for ln in full) == 2
+    assert sum("--drift" in ln for ln in full) == 2
+    assert all("test:easy@calendar:task:answer" in ln for ln in light)   # clean metrics all kept
+
+
+@pytest.mark.parametrize("args", [["--arms", "real,bogus"], ["--seeds", "0"], ["--n-eval", "0"],
+                                  ["--light-eval", "s2"], ["--light-eval", "warm"]])
 def test_bad_arguments_refused(args):
     r = _bench("--dry-run", *args)
     assert r.returncode == 2 and "error" in r.stderr
