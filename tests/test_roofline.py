@@ -40,7 +40,7 @@ def test_schema_and_every_method_present(recs):
     names = {r["method"] for r in recs}
     assert set(roofline.LOGPROB_METHODS + roofline.LOSS_METHODS) <= names
     # both designs of ours, labelled distinctly
-    for m, extra in (("ours-logprobs", set()), ("ours-fused-loss", {"budgeted", "bf16-acc"})):
+    for m, extra in (("ours-logprobs", set()), ("ours-fused-loss", {"budgeted", "bf16-acc", "budgeted-bf16"})):
         keys = {r["design_key"] for r in recs if r["method"] == m and r["unmasked"] == 1.0}
         assert keys == {"row-chunked", "vocab-outer"} | extra
 
@@ -91,7 +91,10 @@ def test_small_shape_piece_times():
 
 def test_targets_and_json(tmp_path, recs):
     t = roofline.targets(recs)
-    assert len(t) == 6
+    assert len(t) == 7
+    bf = next(x for x in t if x["method"] == "ours-fused-loss" and x["design_key"] == "budgeted-bf16")
+    # opt-in dw_accum_dtype=bf16 at a 1.5 GiB budget: 1.098x in 1.47 GiB PREDICTED, both targets
+    assert 1.0 < bf["time_vs_target_floor"] <= 1.10 and bf["time_met"] and bf["workspace_met"]
     fl = next(x for x in t if x["method"] == "ours-fused-loss" and x["design_key"] == "budgeted")
     assert 1.10 < fl["time_vs_target_floor"] < 1.15 and not fl["time_met"]   # 1.126x PREDICTED
     assert not fl["workspace_met"]      # the 1.96 GiB fp32 accumulator alone exceeds 1.5 GiB
