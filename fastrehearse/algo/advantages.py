@@ -128,7 +128,8 @@ def compute_advantages(episodes: list[Episode], config: AdvantageConfig | None =
 
     for idx in groups.values():
         for role in roles:
-            members = [i for i in idx if bool((role_t[i] == int(role)).any())]   # g_r
+            masks = {i: role_t[i] == int(role) for i in idx}
+            members = [i for i in idx if bool(masks[i].any())]   # g_r
             if not members:
                 continue
             rewards = torch.tensor([_role_reward(episodes[i], role) for i in members], dtype=torch.float64)
@@ -137,7 +138,7 @@ def compute_advantages(episodes: list[Episode], config: AdvantageConfig | None =
             zero_std[role.name] += int(len(members) > 1 and bool((rewards == rewards[0]).all()))
             all_r[role.name] += rewards.tolist()
             for a, i in zip(adv.tolist(), members):
-                per_token[i][role_t[i] == int(role)] = a
+                per_token[i][masks[i]] = a
                 abs_adv[role.name].append(abs(a))
         _add_turn_advantages(episodes, idx, per_token, cfg, roles)
 

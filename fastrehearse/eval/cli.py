@@ -24,7 +24,7 @@ from fastrehearse.eval import aggregate, report, suites
 from fastrehearse.eval.drift import DriftEnv, DriftSpec
 from fastrehearse.eval.rehearsal import FORMS as REHEARSAL_FORMS, MODES as REHEARSAL_MODES
 from fastrehearse.eval.results import ResultStore, per_category
-from fastrehearse.eval.runner import EvalSettings, evaluate_items
+from fastrehearse.eval.runner import EvalSettings, evaluate_items, fidelity_pending
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,11 +234,7 @@ def run(args: argparse.Namespace, loaded=None) -> dict[str, Any]:
     keys = [(c, t.id) for c, t in sr.items]
     todo = sum(not store.done(c, t.id) for c, t in sr.items)
     s = settings(args, drift)
-    # Scored items still without fidelity: an interrupted run's fidelity pass keeps nothing on disk,
-    # so a resume must run it again (items that made no call stay without one and are retried).
-    wanted = set(keys)
-    fid_todo = sum(1 for r in store.items() if s.fidelity and r.key in wanted and r.error is None
-                   and not r.fidelity)
+    fid_todo = len(fidelity_pending(store, keys)) if s.fidelity else 0   # a run killed in that pass
 
     def make_env(c: str):
         env = sr.make_env(c)

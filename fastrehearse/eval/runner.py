@@ -74,7 +74,7 @@ def evaluate_items(items: list[tuple[str, Task]], make_env: Callable[[str], Tool
         done = run_items(group, make_env, eval_engine(model, tokenizer, st), policy, store, hcfg,
                          seed=s.seed, on_item=None if s.fidelity else on_item)
         if s.fidelity:
-            _add_fidelity(done, group, make_env, model, tokenizer, policy, store, st, hcfg)
+            _add_fidelity(group, make_env, model, tokenizer, policy, store, st, hcfg)
             for r in done:
                 if on_item is not None:
                     on_item(r)
@@ -82,15 +82,19 @@ def evaluate_items(items: list[tuple[str, Task]], make_env: Callable[[str], Tool
     return out
 
 
-def _add_fidelity(done: list[ItemResult], group, make_env, model, tokenizer, policy, store: ResultStore,
+def fidelity_pending(store: ResultStore, keys) -> dict[tuple[str, str], ItemResult]:
+    """The scored items among `keys` that have no fidelity yet: the ones just scored, and on a
+    resume the ones an interrupted run scored before its fidelity pass ended (that pass keeps
+    nothing on disk). Items that made no call stay without fidelity and are retried."""
+    wanted = set(keys)
+    return {r.key: r for r in store.items() if r.key in wanted and r.error is None and not r.fidelity}
+
+
+def _add_fidelity(group, make_env, model, tokenizer, policy, store: ResultStore,
                   s: EvalSettings, hcfg: HarnessConfig) -> None:
-    """Rehearse-mode pass over the scored items of `group` that have no fidelity yet (the ones just
-    scored, and on a resume the ones an interrupted run scored before its fidelity pass ended:
-    that pass keeps nothing on disk, so without them a resumed run reported no fidelity for them);
-    their fidelity is stored with them."""
-    wanted = {(c, t.id) for c, t in group}
-    scored = {r.key: r for r in store.items() if r.key in wanted and r.error is None and not r.fidelity}
-    scored.update({r.key: r for r in done if r.error is None and not r.fidelity})
+    """Rehearse-mode pass over `fidelity_pending` items of `group` (this call's just-scored items
+    are in `store` already); their fidelity is stored with them."""
+    scored = fidelity_pending(store, [(c, t.id) for c, t in group])
     todo = [(c, t) for c, t in group if (c, t.id) in scored]
     if not todo:
         return
