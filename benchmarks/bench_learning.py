@@ -229,7 +229,7 @@ def train_then_eval(a, job: dict, failures: list) -> None:
         if out.exists() and (not mark.exists() or json.loads(mark.read_text()) != fp):
             import shutil   # an eval of another checkpoint (the arm was retrained): start over
             shutil.rmtree(out)
-        if _eval_complete(out, a.n_eval):
+        if _eval_complete(out, a.n_eval, "--measure-fidelity" in cmd or "--drift" in cmd):
             continue
         out.mkdir(parents=True, exist_ok=True)
         mark.write_text(json.dumps(fp))
@@ -238,12 +238,20 @@ def train_then_eval(a, job: dict, failures: list) -> None:
             failures.append({"command": shell(cmd, a.threads), "rc": rc, "log": str(d.parent / f"{d.name}.log")})
 
 
-def _eval_complete(out: Path, n: int) -> bool:
+def _eval_complete(out: Path, n: int, fidelity: bool) -> bool:
+    """Every category scored on n items without errors, and the fidelity pass ended when it is
+    wanted (a light eval made full later reruns only that pass: the CLI resumes the directory)."""
     try:
         r = json.loads((out / "results.json").read_text())
+        if fidelity and "fidelity_measured" not in r:   # results.json written before the key existed:
+            cfg = json.loads((out / "run.json").read_text())
+            done = (cfg.get("measure_fidelity") or cfg.get("drift")) and \
+                (out / "results.json").stat().st_mtime >= (out / "run.json").stat().st_mtime
+            r["fidelity_measured"] = bool(done)        # (a switch-on rewrites run.json first)
     except (OSError, ValueError):
         return False
-    return all(c.get("n") == n and c.get("errors") == 0 for c in r["categories"].values())
+    return all(c.get("n") == n and c.get("errors") == 0 for c in r["categories"].values()) and \
+        (r.get("fidelity_measured", False) or not fidelity)
 
 
 # ---- reading the run dirs --------------------------------------------------------------------

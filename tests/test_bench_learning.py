@@ -143,6 +143,36 @@ def test_light_eval_drops_fidelity_and_drift_for_the_named_checkpoints(tmp_path)
     assert all("test:easy@calendar:task:answer" in ln for ln in light)   # clean metrics all kept
 
 
+def test_eval_complete_needs_the_fidelity_pass_when_wanted(tmp_path):
+    """A light eval made full later is incomplete until its fidelity pass ended (the bench then
+    resumes the directory and the CLI runs only that pass); results.json files written before the
+    `fidelity_measured` key count as measured when run.json asked for it and results.json is newer."""
+    sys.path.insert(0, str(BENCH.parent))
+    import bench_learning as bl
+    cats = {"categories": {"a": {"n": 2, "errors": 0}, "b": {"n": 2, "errors": 0}}}
+
+    def write(results: dict, run: dict):
+        (tmp_path / "run.json").write_text(json.dumps(run))
+        (tmp_path / "results.json").write_text(json.dumps(results))
+
+    write({**cats, "fidelity_measured": False}, {"measure_fidelity": False})
+    assert bl._eval_complete(tmp_path, 2, False) and not bl._eval_complete(tmp_path, 2, True)
+    assert not bl._eval_complete(tmp_path, 3, False)                        # fewer items than asked
+    write({**cats, "fidelity_measured": True}, {"measure_fidelity": True})
+    assert bl._eval_complete(tmp_path, 2, True)
+    write({"categories": {"a": {"n": 2, "errors": 1}}, "fidelity_measured": True}, {})
+    assert not bl._eval_complete(tmp_path, 2, True)                         # an item could not run
+    write(cats, {"measure_fidelity": True})                                 # older results.json
+    assert bl._eval_complete(tmp_path, 2, True)
+    write(cats, {"measure_fidelity": False, "drift": "rename"})             # drift runs measure it too
+    assert bl._eval_complete(tmp_path, 2, True)
+    write(cats, {"measure_fidelity": False})
+    assert not bl._eval_complete(tmp_path, 2, True)
+    os.utime(tmp_path / "results.json", (1, 1))                             # switched on, pass killed
+    (tmp_path / "run.json").write_text(json.dumps({"measure_fidelity": True}))
+    assert not bl._eval_complete(tmp_path, 2, True)
+
+
 @pytest.mark.parametrize("args", [["--arms", "real,bogus"], ["--seeds", "0"], ["--n-eval", "0"],
                                   ["--light-eval", "s2"], ["--light-eval", "warm"]])
 def test_bad_arguments_refused(args):

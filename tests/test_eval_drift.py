@@ -275,3 +275,9 @@ def test_cli_resume_runs_the_missing_fidelity_pass(tmp_path, monkeypatch):
         cli.run(args)
         monkeypatch.undo()
         assert len(calls) == (1 if flags else 0), sub
+    # a run scored without the pass, resumed with it (the bench's light eval made full): the pass runs
+    args = cli.build_parser().parse_args(base + ["--measure-fidelity", "--out", str(tmp_path / "plain")])
+    calls = []
+    monkeypatch.setattr(cli, "evaluate_items", lambda *a, **k: calls.append(a[0]) or [])
+    cli.run(args)
+    assert len(calls) == 1

@@ -103,6 +103,21 @@ def test_resume_refuses_other_configuration(tmp_path):
         ResultStore(tmp_path, {"policy": "gold", "drift": "rename"})
 
 
+def test_resume_may_switch_the_fidelity_pass_on_only(tmp_path):
+    """Fidelity is a separate pass that never changes a score, so a run scored without it may be
+    resumed with it (run.json then records it); switching it off again, or together with another
+    change, is refused."""
+    import json
+    ResultStore(tmp_path, {"policy": "p", "measure_fidelity": False})
+    with pytest.raises(ValueError, match="different configuration.*drift"):
+        ResultStore(tmp_path, {"policy": "p", "measure_fidelity": True, "drift": "rename"})
+    assert json.loads((tmp_path / "run.json").read_text())["measure_fidelity"] is False
+    ResultStore(tmp_path, {"policy": "p", "measure_fidelity": True})
+    assert json.loads((tmp_path / "run.json").read_text())["measure_fidelity"] is True
+    with pytest.raises(ValueError, match="measure_fidelity"):
+        ResultStore(tmp_path, {"policy": "p", "measure_fidelity": False})
+
+
 class Boom:
     def begin_turns(self, requests):
         raise RuntimeError("decoder exploded")

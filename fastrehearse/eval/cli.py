@@ -146,6 +146,8 @@ def summarize(args: argparse.Namespace, store: ResultStore, keys_in_order: list[
     res["rehearsal"] = {"budget": args.rehearsal_budget, "mode": args.rehearsal_mode,
                         "horizon": args.rehearsal_horizon, "commit": args.rehearsal_commit}
     res["drift"] = drift.describe() if drift else None
+    # written after the fidelity pass ended: a results.json without it predates that pass
+    res["fidelity_measured"] = args.policy != "gold" and (args.measure_fidelity or drift is not None)
     res["tokens"] = {
         "gen_per_item": sum(r.gen_tokens for r in items) / n if n else 0.0,
         "rehearsal_per_item": sum(r.rehearsal_tokens for r in items) / n if n else 0.0,

@@ -56,6 +56,13 @@ class ResultStore:
             old = json.loads(run_path.read_text())
             diff = {k: (old.get(k), config.get(k)) for k in set(old) | set(config)
                     if k not in _RESUME_FREE_KEYS and old.get(k) != config.get(k)}
+            if diff.get("measure_fidelity") == (False, True):
+                # Turning the fidelity pass on for a run scored without it is an upgrade, not a new
+                # configuration: it is a separate pass that never changes a score, and it runs for
+                # the scored items that lack fidelity (runner.fidelity_pending). Off again is refused.
+                del diff["measure_fidelity"]
+                if not diff:
+                    run_path.write_text(json.dumps({**old, "measure_fidelity": True}, indent=2, sort_keys=True))
             if diff:
                 raise ValueError(
                     f"--out {self.dir} holds a run with a different configuration "
