@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import hashlib
 import json
 import math
 import os
@@ -167,6 +168,7 @@ def plan(a, cfg) -> dict:
                     ["sft.steps=0", f"steps={a.steps}"]
             sets = [f"model.spec={warm / 'export'}", f"seed={seed}", *steps, *ARM_SETS[arm]]
             runs[(arm, seed)] = {"run_dir": d, "train": train_cmd(a, d, sets), "total_steps": a.steps,
+                                 "warmup": warm,
                                  "evals": eval_cmds(a, cfg, d / "export", d, f"s{seed}" in a.light_eval)}
     return {"warmup": {"run_dir": warm, "train": train_cmd(a, warm, []), "total_steps": cfg.sft.steps,
                        "evals": eval_cmds(a, cfg, warm / "export", warm, "warmup" in a.light_eval)},
@@ -213,6 +215,44 @@ def _fingerprint(export: Path) -> dict:
     return {str(p.name): [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(export.glob("*.safetensors"))}
 
 
+def weights_sha256(export: Path) -> str:
+    """sha256 over the bytes of the export's *.safetensors files (in name order)."""
+    h = hashlib.sha256()
+    for f in sorted(export.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+SAME_AS_WARMUP = "same_weights_as_warmup.json"
+
+
+def same_as_warmup(run_dir: Path, warm: Path) -> str | None:
+    """The shared sha256 when the arm's export is byte for byte the warm-up's (an arm that got no
+    gradient, e.g. rehearse-only rewarded on the answer: reward 0 in every rollout). Greedy
+    evaluation is then deterministic in the weights, so the warm-up's eval dirs are its numbers and
+    are not run twice. Recorded in run_dir/same_weights_as_warmup.json, checked against the
+    current files every time (a retrained arm loses it)."""
+    mark = run_dir / SAME_AS_WARMUP
+    try:
+        rec = json.loads(mark.read_text())
+        if rec.get("fingerprint") == _fingerprint(run_dir / "export") and \
+                rec.get("warmup_fingerprint") == _fingerprint(warm / "export"):
+            return rec["sha256"]
+    except (OSError, ValueError, KeyError):
+        pass
+    if not list((run_dir / "export").glob("*.safetensors")):
+        return None
+    sha = weights_sha256(run_dir / "export")
+    if sha != weights_sha256(warm / "export"):
+        mark.unlink(missing_ok=True)
+        return None
+    mark.write_text(json.dumps({"sha256": sha, "fingerprint": _fingerprint(run_dir / "export"),
+                                "warmup_fingerprint": _fingerprint(warm / "export")}))
+    return sha
+
+
 def train_then_eval(a, job: dict, failures: list) -> None:
     d = Path(job["run_dir"])
     total = job["total_steps"]
@@ -223,6 +263,8 @@ def train_then_eval(a, job: dict, failures: list) -> None:
         if rc != 0 or not _finished(d, total):
             failures.append({"command": shell(cmd, a.threads), "rc": rc, "log": str(d.parent / f"{d.name}.log")})
             return
+    if job.get("warmup") is not None and same_as_warmup(d, Path(job["warmup"])):
+        return                     # evaluated once, as the warm-up (report reads its dirs)
     fp = _fingerprint(d / "export")
     for out, cmd in job["evals"]:
         mark = out / "bench_checkpoint.json"
@@ -379,10 +421,11 @@ def report(a, cfg, pl: dict, failures: list, wall_s: float | None) -> dict:
         seeds = {}
         for seed in range(a.seeds):
             d = pl["runs"][(arm, seed)]["run_dir"]
-            m, miss = read_metrics(a, cfg, d)
+            shared = same_as_warmup(d, warm) if (d / "export").exists() else None
+            m, miss = read_metrics(a, cfg, warm if shared else d)
             missing += miss
             cv = curves(d)
-            seeds[str(seed)] = {"run_dir": str(d), "metrics": m,
+            seeds[str(seed)] = {"run_dir": str(d), "metrics": m, "weights_same_as_warmup": shared,
                                 "weight_change": weight_change(d / "export", warm / "export"),
                                 "curves": cv, "signal": training_signal(cv),
                                 "train_command": shell(pl["runs"][(arm, seed)]["train"], a.threads),
@@ -442,6 +485,12 @@ def write_md(res: dict, path: Path) -> None:
             cells[-1] = "no calls made"   # nothing rehearsed to compare with a real response
         lines.append(f"| {arm} | " + " | ".join(cells)
                      + f" | {_fmt(r['summary']['weight_change'], pct=False)} |")
+    same = [f"{arm} seed {seed}" for arm, r in res["arms"].items() for seed, sd in r["seeds"].items()
+            if sd.get("weights_same_as_warmup")]
+    if same:
+        lines += ["", f"Weights byte for byte the warm-up's (sha256 of the export; no gradient reached "
+                      f"them): {', '.join(same)}. Greedy evaluation is deterministic in the weights, so "
+                      f"their numbers are the warm-up's eval, run once."]
     vs = res.get("versus_sft_only") or {}
     if vs:
         def cell(v: dict) -> str:

@@ -173,6 +173,23 @@ def test_eval_complete_needs_the_fidelity_pass_when_wanted(tmp_path):
     assert not bl._eval_complete(tmp_path, 2, True)
 
 
+def test_arm_with_the_warmup_weights_shares_its_eval(tmp_path):
+    """An arm whose export is byte for byte the warm-up's (no gradient reached it) is recognised by
+    sha256 and reads the warm-up's eval; a different export, or one retrained later, is not."""
+    sys.path.insert(0, str(BENCH.parent))
+    import bench_learning as bl
+    warm, arm = tmp_path / "warmup", tmp_path / "rehearse-s0"
+    for d, data in ((warm, b"\x00weights"), (arm, b"\x00weights")):
+        (d / "export").mkdir(parents=True)
+        (d / "export" / "model.safetensors").write_bytes(data)
+    sha = bl.same_as_warmup(arm, warm)
+    assert sha is not None and (arm / bl.SAME_AS_WARMUP).exists()
+    assert bl.same_as_warmup(arm, warm) == sha                    # the record is reused
+    (arm / "export" / "model.safetensors").write_bytes(b"\x00weightz")   # retrained: same size
+    os.utime(arm / "export" / "model.safetensors", ns=(1, 1))
+    assert bl.same_as_warmup(arm, warm) is None and not (arm / bl.SAME_AS_WARMUP).exists()
+
+
 @pytest.mark.parametrize("args", [["--arms", "real,bogus"], ["--seeds", "0"], ["--n-eval", "0"],
                                   ["--light-eval", "s2"], ["--light-eval", "warm"]])
 def test_bad_arguments_refused(args):
