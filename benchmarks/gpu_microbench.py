@@ -135,7 +135,7 @@ def main(argv=None):
                 roofline.passes("", c * a.v * 4))
         with num_warps(_rows._row_grad_kernel, nw):
             row(f"[C={c}] _row_grad_kernel (g1) warps={nw}",
-                bench_ms(lambda: _rows.row_grad_triton(z, tc, lse, None, g1, None, 1.0, out=dz),
+                bench_ms(lambda: _rows.row_grad_triton(z, tc, lse, None, g1, None, 1.0, out=dz, dt=g1),
                          dev),
                 roofline.passes("", c * a.v * (4 + dz.element_size())))
     dx = torch.empty_like(xc)
@@ -166,7 +166,7 @@ def main(argv=None):
         with num_warps(_rows._row_grad_kernel, nw):
             row(f"[R={r}, V_b={vb}] _row_grad_kernel (g1) warps={nw}",
                 bench_ms(lambda: _rows.row_grad_triton(zb, tr, lse_b, None, g1b, None, 1.0,
-                                                       out=dzb), dev),
+                                                       out=dzb, dt=g1b), dev),
                 roofline.passes("", r * vb * (4 + dzb.element_size())))
     dxa = torch.zeros(r, a.h, device=dev, dtype=torch.float32)
     row(f"[R={r}, V_b={vb}] dX_acc += dZ_b W_b (fp32 [R, H])",

@@ -16,11 +16,15 @@ forward, shifted (those rows only): m = the first block's exact row max; every b
     the entropy sum could overflow fp32) is redone for those rows with their exact block max
     and merged with re-basing (rare; tested).
 backward (lse, H known): logq = s - lse, p = exp(logq);
-    dS = -diag(g1) P + onehot diag(g1)                 (logp gradient only)
-    dS = -p (g1 + g2 H + g2 logq) + onehot diag(g1)    (with an entropy gradient)
+    dS = -diag(g1) P                  (logp gradient only)      off the target column;
+    dS = -p (g1 + g2 H + g2 logq)     (with an entropy gradient)
+    dS_t = dt (_rowmath.target_grad: from the off-target sums, never 1 - p_t)
     dX = dS W / T,  dW = dS^T X / T
     The row scale -g1 is applied to the small [R, H] operands (dX rows, X for dW) instead of
-    the [R, V_b] block, and the one-hot part is an index_add over R rows at the end.
+    the [R, V_b] block; each block's target entries are zeroed and the target part (dt W[t],
+    dt x to dW rows t) is an index_add over R rows at the end.
+Both forwards leave the target column out of their sums (S = S_off + e_t): A = S_off / S is
+the off-target mass the target entry is formed from (see _rowmath.py).
     direct (every lse of the row block within +-69): p = e^s e^-lse, and e^-lse joins the row
     scale, so the GEMM is plain X W_b^T again; guarded (see _direct_row_scale) against row
     scales leaving the normal fp32 range and against overflow of sum_j e^s_j w_j.
@@ -52,6 +56,7 @@ _S_DIRECT = (1e-30, 1e30)
 # sum e (s - c) could then overflow fp32 (e up to 3e38), so such rows are redone with their
 # exact block max. Catches inf / NaN too (the comparison is False).
 _S_MAX = 1e18
+_LOG_S_MAX = math.log(_S_MAX)
 
 
 def _aug_rows(x: torch.Tensor, inv_temp: float) -> torch.Tensor:
@@ -71,11 +76,22 @@ def _aug_weight_buf(bv: int, h: int, device) -> torch.Tensor:
     return wa
 
 
-def _sum_exp(zb: torch.Tensor, with_entropy: bool):
-    """zb = s - c (consumed). Returns S_b = sum exp(zb), A_b = sum exp(zb) zb (or None)."""
+def _drop_target(blk: torch.Tensor, t_c, v0: int) -> torch.Tensor:
+    """Zero, in place, the entry of each row's target when it lies in this vocabulary block (its
+    columns start at v0): sums over the block then hold the off-target terms only."""
+    nb = blk.shape[1]
+    idx = t_c - v0
+    ic = idx.clamp(0, nb - 1).view(-1, 1)
+    inb = ((idx >= 0) & (idx < nb)).view(-1, 1)
+    return blk.scatter_(1, ic, torch.where(inb, 0.0, blk.gather(1, ic)))
+
+
+def _sum_exp(zb: torch.Tensor, with_entropy: bool, t_c, v0: int):
+    """zb = s - c (consumed). Returns the off-target sums S_b = sum_{j != t} exp(zb) and
+    A_b = sum_{j != t} exp(zb) zb (or None)."""
     if not with_entropy:
-        return zb.exp_().sum(1), None
-    e = torch.exp(zb)
+        return _drop_target(zb.exp_(), t_c, v0).sum(1), None
+    e = _drop_target(torch.exp(zb), t_c, v0)
     s_b = e.sum(1)
     return s_b, e.mul_(zb).sum(1)
 
@@ -118,26 +134,26 @@ def _gather_in_block(zb, t_c, v0: int, acc, offset=None):
 
 
 def blocked_stats(x, w, t, inv_temp: float, with_entropy: bool, rows: int):
-    """(logp, entropy or None, lse), fp32 [n], for the compacted rows x [n, H] (torch backend)."""
+    """(logp, entropy or None, lse, off, off_ent or None), fp32 [n], for the compacted rows
+    x [n, H] (torch backend); off / off_ent: the off-target sums of _rowmath.py's docstring."""
     n = x.shape[0]
-    logp = torch.empty(n, device=x.device, dtype=torch.float32)
-    lse = torch.empty_like(logp)
-    ent = torch.empty_like(logp) if with_entropy else None
+    names = ("logp", "ent", "lse", "off", "off_ent")
+    out = {k: (torch.empty(n, device=x.device, dtype=torch.float32)
+               if with_entropy or k not in ("ent", "off_ent") else None) for k in names}
     for s in range(0, n, rows):
         e = min(n, s + rows)
-        lp_c, ent_c, lse_c, ok = _direct_stats(x[s:e], w, t[s:e], inv_temp, with_entropy)
+        *stats, ok = _direct_stats(x[s:e], w, t[s:e], inv_temp, with_entropy)
         if not bool(ok.all()):                   # rows with |logits| ~ 70+: the shifted forward
             bad = (~ok).nonzero().view(-1)
-            lp_b, ent_b, lse_b = _shifted_stats(x[s:e].index_select(0, bad), w,
-                                                t[s:e].index_select(0, bad), inv_temp, with_entropy)
-            lp_c.index_copy_(0, bad, lp_b)
-            lse_c.index_copy_(0, bad, lse_b)
-            if with_entropy:
-                ent_c.index_copy_(0, bad, ent_b)
-        logp[s:e], lse[s:e] = lp_c, lse_c
-        if with_entropy:
-            ent[s:e] = ent_c
-    return logp, ent, lse
+            redo = _shifted_stats(x[s:e].index_select(0, bad), w, t[s:e].index_select(0, bad),
+                                  inv_temp, with_entropy)
+            for c, b in zip(stats, redo):
+                if c is not None:
+                    c.index_copy_(0, bad, b)
+        for k, c in zip(names, stats):
+            if c is not None:
+                out[k][s:e] = c
+    return tuple(out[k] for k in names)
 
 
 def _direct_stats(x_c, w, t_c, inv_temp: float, with_entropy: bool):
@@ -148,22 +164,27 @@ def _direct_stats(x_c, w, t_c, inv_temp: float, with_entropy: bool):
     bv = vocab_block(r, w.shape[0], dev)
     zbuf = torch.empty(r * bv, device=dev, dtype=torch.float32)
     ebuf = torch.empty_like(zbuf) if with_entropy else None
-    s_acc = torch.zeros(r, device=dev, dtype=torch.float32)
+    s_acc = torch.zeros(r, device=dev, dtype=torch.float32)      # off-target sums
     a_acc = torch.zeros_like(s_acc) if with_entropy else None
     s_t = torch.zeros_like(s_acc)
     for v0, v1, wb in _weight_blocks(w, bv, h):
         zb = torch.mm(xs, wb.t(), out=_block_view(zbuf, r, v1 - v0))   # s
         s_t = _gather_in_block(zb, t_c, v0, s_t)
         if with_entropy:
-            eb = torch.exp(zb, out=_block_view(ebuf, r, v1 - v0))
+            eb = _drop_target(torch.exp(zb, out=_block_view(ebuf, r, v1 - v0)), t_c, v0)
             s_acc += eb.sum(1)
             a_acc += eb.mul_(zb).sum(1)
         else:
-            s_acc += zb.exp_().sum(1)
-    ok = (s_acc >= _S_DIRECT[0]) & (s_acc <= _S_DIRECT[1])   # False for inf / NaN too
-    log_s = torch.log(s_acc)
-    ent = log_s - a_acc / s_acc if with_entropy else None
-    return s_t - log_s, ent, log_s, ok
+            s_acc += _drop_target(zb.exp_(), t_c, v0).sum(1)
+    e_t = torch.exp(s_t)
+    s_all = s_acc + e_t
+    ok = (s_all >= _S_DIRECT[0]) & (s_all <= _S_DIRECT[1])   # False for inf / NaN too
+    log_s = torch.log(s_all)
+    off = s_acc / s_all
+    if not with_entropy:
+        return s_t - log_s, None, log_s, off, None, ok
+    ent = log_s - (a_acc + e_t * s_t) / s_all
+    return s_t - log_s, ent, log_s, off, a_acc / s_all - off * log_s, ok
 
 
 def _shifted_stats(x, w, t, inv_temp: float, with_entropy: bool):
@@ -187,12 +208,14 @@ def _shifted_stats(x, w, t, inv_temp: float, with_entropy: bool):
         if m is None:                                  # first block: exact row max
             m = zb.amax(1)
             zb.sub_(m.view(-1, 1))
-            s_acc, a_acc = _sum_exp(zb, with_entropy)
+            s_acc, a_acc = _sum_exp(zb, with_entropy, t, v0)
             continue
-        s_b, a_b = _sum_exp(zb, with_entropy)
+        # the target is not in the sums: a target far above m is caught on its own
+        big_t = _gather_in_block(zb, t, v0, torch.zeros_like(m)) > _LOG_S_MAX
+        s_b, a_b = _sum_exp(zb, with_entropy, t, v0)
         # a block max far above m: exp (or sum e (s - m)) overflowed or came close, so redo
         # those rows with their exact block max and re-base them (rare)
-        bad = ~(s_b <= _S_MAX)
+        bad = ~(s_b <= _S_MAX) | big_t
         if bool(bad.any()):
             r_bad = bad.nonzero().view(-1)
             s_b = torch.where(bad, 0.0, s_b)
@@ -203,21 +226,29 @@ def _shifted_stats(x, w, t, inv_temp: float, with_entropy: bool):
             zr = torch.mm(xa.index_select(0, r_bad), wb.t())
             cr = zr.amax(1)
             zr.sub_(cr.view(-1, 1))
-            sr, ar = _sum_exp(zr, with_entropy)
+            sr, ar = _sum_exp(zr, with_entropy, t.index_select(0, r_bad), v0)
             mr, sr, ar = _merge(m[r_bad], s_acc[r_bad], None if a_acc is None
                                 else a_acc[r_bad], m[r_bad] + cr, sr, ar)
             m, s_acc = m.index_copy(0, r_bad, mr), s_acc.index_copy(0, r_bad, sr)
             a_acc = None if a_acc is None else a_acc.index_copy(0, r_bad, ar)
-    log_s = torch.log(s_acc)
+    sm_t = s_t - m
+    e_t = torch.exp(sm_t)                              # <= e^41: the target's block was checked
+    s_all = s_acc + e_t
+    log_s = torch.log(s_all)
     lse = m + log_s
-    ent = log_s - a_acc / s_acc if with_entropy else None
-    return s_t - lse, ent, lse
+    off = s_acc / s_all
+    if not with_entropy:
+        return s_t - lse, None, lse, off, None
+    ent = log_s - (a_acc + e_t * sm_t) / s_all
+    return s_t - lse, ent, lse, off, a_acc / s_all - off * log_s
 
 
-def blocked_backward(x, w, t, lse, ent, g1, g2, inv_temp: float, rows: int, need_dx, need_dw):
+def blocked_backward(x, w, t, lse, ent, g1, g2, inv_temp: float, rows: int, need_dx, need_dw,
+                     *, dt):
     """(dX in x.dtype or None, dW fp32 or None) for the torch backend; see module docstring.
 
     g1 = dL/dlogp, g2 = dL/dH: fp32 [n] or None (not both None); ent needed when g2 is given.
+    dt = dL/ds_t (_rowmath.target_grad) replaces each row's target entry of dS.
     """
     n, h = x.shape
     v = w.shape[0]
@@ -240,7 +271,7 @@ def blocked_backward(x, w, t, lse, ent, g1, g2, inv_temp: float, rows: int, need
                 log_wmax = math.log(max(-float(lo), float(hi), 1e-30))
             if float(lse[s:e].max()) + log_wmax + _log_row_factor(beta, gamma) > _LOG_ACC_MAX:
                 rho = None
-        block = (x[s:e], w, t[s:e], g1_c, inv_temp, dw, s == 0, need_dx)
+        block = (x[s:e], w, t[s:e], g1_c, dt[s:e], inv_temp, dw, s == 0, need_dx)
         if rho is not None:
             dx_c = _direct_backward(*block, rho, beta, gamma)
         else:
@@ -290,22 +321,22 @@ def _accumulate(blk, wb, xg, dxa, dw, v0: int, v1: int, first: bool) -> None:
             dw[v0:v1].addmm_(blk.t(), xg)
 
 
-def _finish_block(x_c, w, t_c, g1_c, inv_temp, dw, need_dx, xs, dxa, rho):
-    """One-hot terms (+ g1 W[t] to dX, + g1 x to dW rows t), the row scale on dX, the 1/T."""
-    if g1_c is not None and dw is not None:
-        dw.index_add_(0, t_c, xs * g1_c.view(-1, 1))
+def _finish_block(x_c, w, t_c, dt_c, inv_temp, dw, need_dx, xs, dxa, rho):
+    """Target terms (the blocks' target entries were zeroed: + dt W[t] to dX, + dt x to dW rows t),
+    the row scale on dX, the 1/T."""
+    if dw is not None:
+        dw.index_add_(0, t_c, xs * dt_c.view(-1, 1))
     if not need_dx:
         return None
     if rho is not None:
         dxa.mul_(rho.view(-1, 1))
-    if g1_c is not None:
-        dxa.add_(w.index_select(0, t_c).float() * g1_c.view(-1, 1))
+    dxa.add_(w.index_select(0, t_c).float() * dt_c.view(-1, 1))
     if inv_temp != 1.0:
         dxa.mul_(inv_temp)
     return dxa
 
 
-def _direct_backward(x_c, w, t_c, g1_c, inv_temp, dw, first, need_dx, rho, beta, gamma):
+def _direct_backward(x_c, w, t_c, g1_c, dt_c, inv_temp, dw, first, need_dx, rho, beta, gamma):
     """Backward of one row block with no shift in the GEMM (K = H); returns dX rows (fp32)."""
     r, h = x_c.shape
     dev = x_c.device
@@ -322,19 +353,19 @@ def _direct_backward(x_c, w, t_c, g1_c, inv_temp, dw, first, need_dx, rho, beta,
         else:                                                           # e^s (beta + gamma s)
             eb = torch.exp(zb, out=_block_view(ebuf, r, v1 - v0))
             blk = zb.mul_(gamma.view(-1, 1)).add_(beta.view(-1, 1)).mul_(eb)
-        _accumulate(blk, wb, xg, dxa, dw, v0, v1, first)
-    return _finish_block(x_c, w, t_c, g1_c, inv_temp, dw, need_dx, xs, dxa, rho)
+        _accumulate(_drop_target(blk, t_c, v0), wb, xg, dxa, dw, v0, v1, first)
+    return _finish_block(x_c, w, t_c, dt_c, inv_temp, dw, need_dx, xs, dxa, rho)
 
 
-def _shifted_backward(x_c, w, t_c, g1_c, inv_temp, dw, first, need_dx, lse_c, a_c, gamma):
+def _shifted_backward(x_c, w, t_c, g1_c, dt_c, inv_temp, dw, first, need_dx, lse_c, a_c, gamma):
     """Backward of one row block with -lse as an extra GEMM column, so the GEMM gives log p."""
     r, h = x_c.shape
     dev = x_c.device
     xa = _aug_rows(x_c, inv_temp)
     xs = xa[:, :h]                                     # x / T
     xa[:, h] = -lse_c
-    rho = -g1_c if a_c is None else None               # dS = diag(rho) P + onehot, or
-    #                                                    dS = -p (a + g2 log p) + onehot
+    rho = -g1_c if a_c is None else None               # dS = diag(rho) P, or
+    #                                                    dS = -p (a + g2 log p); target: dt
     xg = xs * rho.view(-1, 1) if (dw is not None and rho is not None) else xs
     dxa = torch.zeros(r, h, device=dev, dtype=torch.float32) if need_dx else None
     bv = vocab_block(r, w.shape[0], dev)
@@ -351,5 +382,5 @@ def _shifted_backward(x_c, w, t_c, g1_c, inv_temp, dw, first, need_dx, lse_c, a_
         else:
             p = torch.exp(zb, out=_block_view(ebuf, r, v1 - v0))
             blk = zb.mul_(-gamma.view(-1, 1)).sub_(a_c.view(-1, 1)).mul_(p)
-        _accumulate(blk, wb[:, :h], xg, dxa, dw, v0, v1, first)
-    return _finish_block(x_c, w, t_c, g1_c, inv_temp, dw, need_dx, xs, dxa, rho)
+        _accumulate(_drop_target(blk, t_c, v0), wb[:, :h], xg, dxa, dw, v0, v1, first)
+    return _finish_block(x_c, w, t_c, dt_c, inv_temp, dw, need_dx, xs, dxa, rho)

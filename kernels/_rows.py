@@ -10,13 +10,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _row_stats_kernel(z_ptr, stride_z, t_ptr, logp_ptr, ent_ptr, lse_ptr, V, inv_temp,
-                      WITH_ENT: tl.constexpr, BLOCK_V: tl.constexpr):
+def _row_stats_kernel(z_ptr, stride_z, t_ptr, logp_ptr, ent_ptr, lse_ptr, off_ptr, off_ent_ptr, V,
+                      inv_temp, WITH_ENT: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
+    t = tl.load(t_ptr + row)
     m = tl.full((), float("-inf"), tl.float32)   # running max of s (starts at -inf, not 0)
-    acc = tl.zeros((), tl.float32)               # sum exp(s - m)
-    acc_s = tl.zeros((), tl.float32)             # sum exp(s - m) * (s - m)
+    acc_o = tl.zeros((), tl.float32)             # sum_{j != t} exp(s_j - m): the off-target mass
+    acc_os = tl.zeros((), tl.float32)            # sum_{j != t} exp(s_j - m) * (s_j - m)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         valid = cols < V
@@ -25,32 +26,37 @@ def _row_stats_kernel(z_ptr, stride_z, t_ptr, logp_ptr, ent_ptr, lse_ptr, V, inv
         alpha = tl.exp(m - m_new)
         sm = tl.where(valid, s - m_new, float("-inf"))
         e = tl.exp(sm)                             # 0 at padded columns
+        e_off = tl.where(cols == t, 0.0, e)        # the target never enters a sum (no 1 - p_t)
         if WITH_ENT:
             # re-base the old sum of e*(s-m) to the new max: e' = alpha e, (s - m_new) = (s - m) + (m - m_new)
-            # (first block: acc = 0 and m = -inf; select m_new so no inf * 0 appears)
-            shift = (tl.where(acc > 0, m, m_new) - m_new) * acc
-            acc_s = alpha * (acc_s + shift) + tl.sum(e * tl.where(valid, sm, 0.0), axis=0)
-        acc = acc * alpha + tl.sum(e, axis=0)
+            # (nothing summed yet: m may be -inf; select m_new so no inf * 0 appears)
+            shift = (tl.where(acc_o > 0, m, m_new) - m_new) * acc_o
+            acc_os = alpha * (acc_os + shift) + tl.sum(e_off * tl.where(valid, sm, 0.0), axis=0)
+        acc_o = acc_o * alpha + tl.sum(e_off, axis=0)
         m = m_new
+    sm_t = tl.load(z_row + t).to(tl.float32) * inv_temp - m
+    e_t = tl.exp(sm_t)
+    acc = acc_o + e_t
     log_acc = tl.log(acc)
-    lse = m + log_acc
-    t = tl.load(t_ptr + row)
-    s_t = tl.load(z_row + t).to(tl.float32) * inv_temp
-    tl.store(logp_ptr + row, s_t - lse)
-    tl.store(lse_ptr + row, lse)
+    off = acc_o / acc
+    tl.store(logp_ptr + row, sm_t - log_acc)
+    tl.store(lse_ptr + row, m + log_acc)
+    tl.store(off_ptr + row, off)
     if WITH_ENT:
-        tl.store(ent_ptr + row, log_acc - acc_s / acc)
+        tl.store(ent_ptr + row, log_acc - (acc_os + e_t * sm_t) / acc)
+        tl.store(off_ent_ptr + row, acc_os / acc - off * log_acc)
 
 
 @triton.jit
 def _row_grad_kernel(z_ptr, stride_z, dz_ptr, stride_dz, t_ptr, lse_ptr, ent_ptr, g1_ptr, g2_ptr,
-                     V, inv_temp, HAS_G1: tl.constexpr, HAS_G2: tl.constexpr,
+                     dt_ptr, V, inv_temp, HAS_G1: tl.constexpr, HAS_G2: tl.constexpr,
                      BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
     dz_row = dz_ptr + row * stride_dz
     lse = tl.load(lse_ptr + row)
     t = tl.load(t_ptr + row)
+    dt = tl.load(dt_ptr + row)                    # dL/ds_t from the off-target sums (target_grad)
     g1 = 0.0
     if HAS_G1:
         g1 = tl.load(g1_ptr + row)
@@ -66,9 +72,7 @@ def _row_grad_kernel(z_ptr, stride_z, dz_ptr, stride_dz, t_ptr, lse_ptr, ent_ptr
         coef = tl.zeros((BLOCK_V,), tl.float32) + g1
         if HAS_G2:
             coef += g2 * (logq + h)
-        dz = -p * coef
-        if HAS_G1:
-            dz = tl.where(cols == t, dz + g1, dz)
+        dz = tl.where(cols == t, dt, -p * coef)
         tl.store(dz_row + cols, (dz * inv_temp).to(dz_ptr.dtype.element_ty), mask=valid)
 
 
@@ -95,15 +99,17 @@ def row_stats_triton(z, t, inv_temp: float, with_entropy: bool):
     c, v = z.shape
     logp = torch.empty(c, device=z.device, dtype=torch.float32)
     lse = torch.empty_like(logp)
-    ent = torch.empty_like(logp) if with_entropy else logp  # dummy pointer when unused
+    off = torch.empty_like(logp)
+    ent = torch.empty_like(logp) if with_entropy else logp  # dummy pointers when unused
+    off_ent = torch.empty_like(logp) if with_entropy else logp
     if c:
-        _row_stats_kernel[(c,)](z, z.stride(0), t, logp, ent, lse, v, float(inv_temp),
+        _row_stats_kernel[(c,)](z, z.stride(0), t, logp, ent, lse, off, off_ent, v, float(inv_temp),
                                 WITH_ENT=with_entropy, BLOCK_V=_block_v(v, z.device),
                                 num_warps=_row_num_warps(v, z.device))
-    return logp, (ent if with_entropy else None), lse
+    return logp, (ent if with_entropy else None), lse, off, (off_ent if with_entropy else None)
 
 
-def row_grad_triton(z, t, lse, ent, g1, g2, inv_temp: float, out=None):
+def row_grad_triton(z, t, lse, ent, g1, g2, inv_temp: float, out=None, *, dt):
     c, v = z.shape
     out = z if out is None else out
     if c:
@@ -111,7 +117,7 @@ def row_grad_triton(z, t, lse, ent, g1, g2, inv_temp: float, out=None):
         _row_grad_kernel[(c,)](z, z.stride(0), out, out.stride(0), t, lse,
                                ent if ent is not None else dummy,
                                g1 if g1 is not None else dummy, g2 if g2 is not None else dummy,
-                               v, float(inv_temp), HAS_G1=g1 is not None, HAS_G2=g2 is not None,
+                               dt, v, float(inv_temp), HAS_G1=g1 is not None, HAS_G2=g2 is not None,
                                BLOCK_V=_block_v(v, z.device), num_warps=_row_num_warps(v, z.device))
     return out
 

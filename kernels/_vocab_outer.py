@@ -42,10 +42,11 @@ def block_elem_bytes(w: torch.Tensor, head) -> int:
 
 
 def vocab_outer_backward(x, w, t, lse, ent, g1, g2, inv_temp, backend, need_dx, need_dw,
-                         head, need_db, rows: int, cols: int):
+                         head, need_db, rows: int, cols: int, *, dt):
     """(dX in x.dtype or None, dW in w.dtype or fp32 or None, d bias fp32 or None).
 
-    g1 = dL/dlogp, g2 = dL/dH: fp32 [n] or None (not both None); ent needed when g2 is given.
+    g1 = dL/dlogp, g2 = dL/dH: fp32 [n] or None (not both None); ent needed when g2 is given;
+    dt = the target entries of dL/du (_rowmath.target_grad), written by the block holding them.
     """
     n, h = x.shape
     v = w.shape[0]
@@ -75,7 +76,7 @@ def vocab_outer_backward(x, w, t, lse, ent, g1, g2, inv_temp, backend, need_dx, 
             out = z if (hb is not None or gdt == torch.float32) else \
                 torch.empty(z.shape, device=dev, dtype=gdt)
             dz = row_grad(z, tg - v0, sl(lse), sl(ent), sl(g1), sl(g2), inv_temp, backend,
-                          out=out)
+                          out=out, dt=sl(dt))
             if hb is not None:
                 dz = hb.backward_(dz, z_pre, backend)                     # dL/d(X W^T)
                 if db is not None:

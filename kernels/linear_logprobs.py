@@ -27,7 +27,7 @@ from ._common import (addmm_f32_, check_linear_inputs, check_targets, check_temp
                       check_workspace_bytes, chunk_rows, grad_dtype, mm_f32, resolve_backend,
                       torch_block_rows, vocab_outer_plan)
 from ._head import build_head
-from ._rowmath import row_grad, row_stats
+from ._rowmath import row_grad, row_stats, target_grad
 from ._vocab_outer import block_elem_bytes, vocab_outer_backward
 
 __all__ = ["linear_logprobs"]
@@ -35,21 +35,22 @@ __all__ = ["linear_logprobs"]
 _grad_dtype = grad_dtype   # the name tests/test_kernels_aot.py's launch recipes import
 
 
-def chunk_grad(x_c, w, z, t_c, lse_c, ent_c, g1_c, g2_c, inv_temp, backend, dx_out, dw_acc,
+def chunk_grad(x_c, w, z, t_c, lse_c, ent_c, g1_c, g2_c, dt_c, inv_temp, backend, dx_out, dw_acc,
                head=None, z_pre=None, db_acc=None):
     """One chunk of the backward: logits z (fp32 [C, V], consumed) -> dZ -> dX_c, dW (, db).
 
     z holds what the row kernels saw: u = head(z_pre) when a head variant is active (then dL/du
     is taken back through the head to dL/dz_pre, and its column sums go to `db_acc`).
     dX_c is written into `dx_out` (a [C, H] view, or None); dZ^T X_c is added to the fp32
-    accumulator `dw_acc` (or None). g1_c = dL/dlogp, g2_c = dL/dH (fp32 [C] or None).
+    accumulator `dw_acc` (or None). g1_c = dL/dlogp, g2_c = dL/dH (fp32 [C] or None), dt_c the
+    target entries of dL/du (_rowmath.target_grad).
     """
     gdt = grad_dtype(w)
     if head is None:
         out = z if gdt == torch.float32 else torch.empty(z.shape, device=z.device, dtype=gdt)
-        dz = row_grad(z, t_c, lse_c, ent_c, g1_c, g2_c, inv_temp, backend, out=out)
+        dz = row_grad(z, t_c, lse_c, ent_c, g1_c, g2_c, inv_temp, backend, out=out, dt=dt_c)
     else:
-        dz = row_grad(z, t_c, lse_c, ent_c, g1_c, g2_c, inv_temp, backend, out=z)   # dL/du, fp32
+        dz = row_grad(z, t_c, lse_c, ent_c, g1_c, g2_c, inv_temp, backend, out=z, dt=dt_c)  # dL/du
         dz = head.backward_(dz, z_pre, backend)                                      # dL/dz_pre
         if db_acc is not None:
             db_acc += dz.sum(0)
@@ -85,13 +86,13 @@ class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, t, inv_temp, with_entropy, backend, chunk, head, bwd_rows, ws_bytes):
         if backend == "torch" and head is None:
-            logp, ent, lse = blocked_stats(x, w, t, inv_temp, with_entropy, chunk)
+            logp, ent, lse, off, off_ent = blocked_stats(x, w, t, inv_temp, with_entropy, chunk)
             if ent is None:
-                ent = torch.empty(0, device=x.device, dtype=torch.float32)
+                ent = off_ent = torch.empty(0, device=x.device, dtype=torch.float32)
         else:
-            logp, lse, ent = _row_chunked_stats(x, w, t, inv_temp, with_entropy, backend, chunk,
-                                                head)
-        ctx.save_for_backward(x, w, t, lse, ent)
+            logp, lse, ent, off, off_ent = _row_chunked_stats(x, w, t, inv_temp, with_entropy,
+                                                              backend, chunk, head)
+        ctx.save_for_backward(x, w, t, lse, ent, logp, off, off_ent)
         ctx.cfg = (inv_temp, with_entropy, backend, chunk, head, bwd_rows, ws_bytes)
         ctx.set_materialize_grads(False)
         if not with_entropy:
@@ -100,7 +101,7 @@ class _LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        x, w, t, lse, ent = ctx.saved_tensors
+        x, w, t, lse, ent, logp, off, off_ent = ctx.saved_tensors
         inv_temp, with_entropy, backend, chunk, head, bwd_rows, ws_bytes = ctx.cfg
         if not with_entropy:
             g_ent = None
@@ -114,16 +115,18 @@ class _LinearLogprobs(torch.autograd.Function):
             return (dx, dw, db) + nones
         g1 = None if g_logp is None else g_logp.float().contiguous()
         g2 = None if g_ent is None else g_ent.float().contiguous()
-        args = (x, w, t, lse, ent if with_entropy else None, g1, g2, inv_temp)
+        ent, off_ent = (ent, off_ent) if with_entropy else (None, None)
+        dt = target_grad(logp, ent, off, off_ent, g1, g2)   # the exact target entries of dL/ds
+        args = (x, w, t, lse, ent, g1, g2, inv_temp)
         db = None
         if backend == "torch" and head is None:
-            dx, dw = blocked_backward(*args, chunk, need_dx, need_dw)
+            dx, dw = blocked_backward(*args, chunk, need_dx, need_dw, dt=dt)
         else:
             rows, cols = vocab_outer_plan(x.shape[0], x.shape[1], w.shape[0], x.device,
                                           block_elem_bytes=block_elem_bytes(w, head),
                                           workspace_bytes=ws_bytes, rows=bwd_rows)
             dx, dw, db = vocab_outer_backward(*args, backend, need_dx, need_dw, head, need_db,
-                                              rows, cols)
+                                              rows, cols, dt=dt)
         return (dx, (dw.to(w.dtype) if dw is not None else None),
                 (db.to(head.bias_dtype) if db is not None else None)) + nones
 
@@ -132,20 +135,19 @@ def _row_chunked_stats(x, w, t, inv_temp, with_entropy, backend, chunk, head=Non
     """Forward sweep of the row-chunked path: rows in chunks, the whole vocabulary per chunk."""
     n = x.shape[0]
     logp = torch.empty(n, device=x.device, dtype=torch.float32)
-    lse = torch.empty_like(logp)
+    lse, off = torch.empty_like(logp), torch.empty_like(logp)
     ent = torch.empty(n if with_entropy else 0, device=x.device, dtype=torch.float32)
+    off_ent = torch.empty_like(ent)
     for s in range(0, n, chunk):
         e = min(n, s + chunk)
         z = mm_f32(x[s:e], w.t())
         if head is not None:
             z = head.forward(z, backend)
-        lp, h, l = row_stats(z, t[s:e], inv_temp, with_entropy, backend)
-        logp[s:e] = lp
-        lse[s:e] = l
+        logp[s:e], h, lse[s:e], off[s:e], b = row_stats(z, t[s:e], inv_temp, with_entropy, backend)
         if with_entropy:
-            ent[s:e] = h
+            ent[s:e], off_ent[s:e] = h, b
         del z
-    return logp, lse, ent
+    return logp, lse, ent, off, off_ent
 
 
 def compact_rows(mask: torch.Tensor | None, n: int):

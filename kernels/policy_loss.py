@@ -52,7 +52,7 @@ import torch
 
 from ._common import (check_linear_inputs, check_targets, check_workspace_bytes, fused_loss_rows,
                       resolve_backend)
-from ._rowmath import row_stats
+from ._rowmath import row_stats, target_grad
 from ._head import build_head
 from .linear_logprobs import chunk_grad, head_logits, linear_logprobs
 from ._vocab_outer import block_elem_bytes
@@ -373,23 +373,29 @@ def _fused_sweep(x, w, plan, need_dx, need_dw, need_db=False):
         if fast:
             xs = x_c.float() if inv_temp == 1.0 else x_c.float() * inv_temp    # x / T
             z = torch.mm(xs, w32.t())
-            s_t = z.gather(1, t_c.view(-1, 1)).squeeze(1)
+            ti = t_c.view(-1, 1)
+            s_t = z.gather(1, ti).squeeze(1)
             m = z.amax(1)
+            sm_t = s_t - m
+            e_t = torch.exp(sm_t)
+            # E with each row's target entry zeroed: its sum is the off-target mass A S, and the
+            # target coefficient of dZ below is g1 A, never the cancelling g1 (1 - E_t / S)
             if plan.with_entropy:                                 # metric only: no gradient
                 zm = z.sub_(m.view(-1, 1))                            # s - m
-                z = zm.exp()                                          # z := E
-                a = torch.bmm(z.unsqueeze(1), zm.unsqueeze(2)).view(-1)   # sum_j E_j (s_j - m)
-                del zm
-                sum_e = z.sum(1)
+                z = zm.exp().scatter_(1, ti, 0.0)                     # z := E (off-target)
+                a = torch.bmm(z.unsqueeze(1), zm.unsqueeze(2)).view(-1) + e_t * sm_t
+                del zm                                                # a = sum_j E_j (s_j - m)
+                sum_off = z.sum(1)
+                sum_e = sum_off + e_t
                 h = torch.log(sum_e) - a / sum_e
             else:
-                sum_e = z.sub_(m.view(-1, 1)).exp_().sum(1)                # z := E
+                sum_off = z.sub_(m.view(-1, 1)).exp_().scatter_(1, ti, 0.0).sum(1)   # z := E
+                sum_e = sum_off + e_t
                 h = None
-            lse = m + torch.log(sum_e)
-            lp = s_t - lse
+            lp = sm_t - torch.log(sum_e)
         else:
             z, z_pre = head_logits(x_c, w, head, plan.backend)
-            lp, h, lse = row_stats(z, t_c, inv_temp, plan.with_entropy, plan.backend)
+            lp, h, lse, off, off_ent = row_stats(z, t_c, inv_temp, plan.with_entropy, plan.backend)
         if plan.old is None:                                 # on-policy: ratio exactly 1
             lr = torch.zeros_like(lp)
         else:
@@ -406,7 +412,7 @@ def _fused_sweep(x, w, plan, need_dx, need_dw, need_db=False):
             plan.kl[s:e] = kl
         if grad and fast:
             r = (-g1 / sum_e).view(-1, 1)
-            g1c = g1.view(-1, 1)
+            g1c = (g1 * (sum_off / sum_e)).view(-1, 1)          # the target entry g1 A
             if dx is not None:
                 dx_c = torch.mm(z, w32).mul_(r).add_(w32.index_select(0, t_c) * g1c)
                 dx[s:e] = dx_c.mul_(inv_temp) if inv_temp != 1.0 else dx_c
@@ -416,7 +422,8 @@ def _fused_sweep(x, w, plan, need_dx, need_dw, need_db=False):
             elif dw is not None:    # low-precision dW: the chunk's sum in fp32, rounded in once
                 dw.add_(torch.mm(z.t(), xs * r).index_add_(0, t_c, xs * g1c))
         elif grad:
-            chunk_grad(x_c, w, z, t_c, lse, h, g1, g2, inv_temp, plan.backend,
+            dt = target_grad(lp, h, off, off_ent, g1, g2)
+            chunk_grad(x_c, w, z, t_c, lse, h, g1, g2, dt, inv_temp, plan.backend,
                        None if dx is None else dx[s:e], dw, head, z_pre, db)
         del z, z_pre
     plan.dx = dx

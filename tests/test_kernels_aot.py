@@ -162,7 +162,7 @@ def _recipe_rows_chunk(h: int, v: int, c: int) -> None:
     dz = _fake((c, v), _grad_dtype(_fake((v, h), DTYPE)))
     # (g1, g2) as the callers pass them: logp grad only, both, entropy grad only
     for g1, g2 in ((vec(), None), (vec(), vec()), (None, vec())):
-        _rows.row_grad_triton(z, t, vec(), vec(), g1, g2, 1.0, out=dz)
+        _rows.row_grad_triton(z, t, vec(), vec(), g1, g2, 1.0, out=dz, dt=vec())
 
 
 def recipe_head(h: int, v: int) -> None:
@@ -187,7 +187,7 @@ def _recipe_head_chunk(h: int, v: int, c: int, HeadTransform) -> None:
             head = HeadTransform(bias, cap, 0.5)
             z = _fake((c, v), torch.float32)
             u = head.forward(z, "triton", out=torch.empty_like(z) if head.needs_pre else None)
-            du = _rows.row_grad_triton(u, t, vec(), vec(), vec(), None, 1.0, out=u)
+            du = _rows.row_grad_triton(u, t, vec(), vec(), vec(), None, 1.0, out=u, dt=vec())
             head.backward_(du, z if head.needs_pre else None, "triton")
 
 
@@ -218,13 +218,13 @@ def recipe_vocab_outer(h: int, v: int) -> None:
             if head is None:
                 dz = _fake((r, width), _common.grad_dtype(w))
                 for g1, g2 in ((vec(), None), (vec(), vec()), (None, vec())):
-                    _rows.row_grad_triton(z, t, vec(), vec(), g1, g2, 1.0, out=dz)
+                    _rows.row_grad_triton(z, t, vec(), vec(), g1, g2, 1.0, out=dz, dt=vec())
                 continue
             hb = HeadTransform.__new__(HeadTransform)
             hb.__dict__.update(head.__dict__)
             hb.bias = head.bias.narrow(0, v0, width)
             u = hb.forward(z, "triton", out=torch.empty_like(z) if hb.needs_pre else None)
-            du = _rows.row_grad_triton(u, t, vec(), vec(), vec(), None, 1.0, out=u)
+            du = _rows.row_grad_triton(u, t, vec(), vec(), vec(), None, 1.0, out=u, dt=vec())
             hb.backward_(du, z if hb.needs_pre else None, "triton")
 
 

@@ -8,7 +8,8 @@ Triton row kernels at a real block size. Run by benchmarks/gpu_check.sh.
 import pytest
 import torch
 
-from _kernel_ref import ref_logprobs, ref_policy_loss, rel_err
+from _kernel_ref import (CONFIDENT_ROW_TOL, confident_rows, ref_logprobs, ref_policy_loss, rel_err,
+                         row_rel_err)
 from fastrehearse.kernels import PolicyLossConfig, Role, linear_logprobs, linear_policy_loss
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -63,6 +64,24 @@ def test_linear_logprobs_cuda(backend, dtype, n, h, v, temperature, scale):
     assert xk.grad.dtype == dtype and wk.grad.dtype == dtype
     assert rel_err(xk.grad.cpu(), xr.grad) <= grad_tol
     assert rel_err(wk.grad.cpu(), wr.grad) <= grad_tol
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_confident_rows_cuda(backend):
+    """Rows with 1 - p_t from ~1 down to 4e-9 (fp32, exact dyadic GEMM): each row's dX within
+    CONFIDENT_ROW_TOL of float64, as on the CPU (the target entry from the off-target mass)."""
+    x, w, t = confident_rows()
+    g = torch.Generator().manual_seed(5)
+    g1, g2 = (torch.randn(x.shape[0], generator=g, dtype=torch.float64) for _ in range(2))
+    xr = x.double().requires_grad_()
+    lr, er = ref_logprobs(xr, w.double(), t, None, 0.25)
+    ((lr * g1).sum() + (er * g2).sum()).backward()
+    xk = x.cuda().requires_grad_()
+    lp, ent = linear_logprobs(xk, w.cuda(), t.cuda(), temperature=0.25, with_entropy=True,
+                              backend=backend)
+    ((lp * g1.float().cuda()).sum() + (ent * g2.float().cuda()).sum()).backward()
+    err = row_rel_err(xk.grad.cpu(), xr.grad)
+    assert float(err.max()) <= CONFIDENT_ROW_TOL, err.tolist()
 
 
 @pytest.mark.parametrize("fused,backend", [(True, "triton"), (False, "triton"), (True, "torch"),

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from _kernel_ref import ref_policy_loss, rel_err
+from _kernel_ref import CONFIDENT_ROW_TOL, confident_rows, ref_policy_loss, rel_err, row_rel_err
 from fastrehearse.kernels import (PolicyLossConfig, Role, linear_logprobs, linear_policy_loss)
 
 TOL = 1e-4
@@ -362,3 +362,27 @@ def test_entropy_metric_on_the_fast_torch_path_matches_float64(temperature):
     rows = (batch["roles"] == ACT) | (batch["roles"] == REH)   # the entropy is reported on RL tokens
     assert out.entropy is not None and float(out.entropy[~rows].abs().max()) == 0.0
     assert float((out.entropy[rows].double() - ent[rows]).abs().max()) <= 1e-4
+
+
+@pytest.mark.parametrize("fused,backend", PATHS)
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.05])
+def test_confident_tokens_keep_their_gradient(fused, backend, entropy_coef):
+    """Tokens the policy is sure of (1 - p_t from ~1 down to 4e-9): each token's dX row against
+    float64. The fused paths (the torch fast path included) form the target entry of dL/dz from the
+    off-target mass, never as 1 - p_t; before that, these rows were off by up to 10x."""
+    x, w, t = confident_rows()
+    n = x.shape[0]
+    g = torch.Generator().manual_seed(3)
+    roles = torch.tensor([ACT, REH, OBS] * 4)[:n]
+    cfg = PolicyLossConfig(temperature=0.25, entropy_coef=entropy_coef, w_observed=1.0)
+    with torch.no_grad():
+        lp, _ = linear_logprobs(x, w, t, temperature=0.25, backend="torch")
+    rl = roles != OBS
+    nan = torch.full((n,), float("nan"))
+    batch = dict(hidden=x, weight=w, targets=t, roles=roles,
+                 advantages=torch.where(rl, torch.randn(n, generator=g), nan),
+                 old_logp=torch.where(rl, lp + 0.01 * torch.randn(n, generator=g), nan), ref_logp=nan)
+    _, ref_dx, _ = reference(batch, cfg)
+    _, dx, _ = run(batch, cfg, fused, backend)
+    err = row_rel_err(dx, ref_dx)
+    assert float(err.max()) <= CONFIDENT_ROW_TOL, err.tolist()
