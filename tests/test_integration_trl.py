@@ -99,19 +99,21 @@ def train(cls, model, tmp_path, extra=None, **over):
     return trainer, rec.grads
 
 
-def assert_grads_equal(ga, gb, rel=1e-5):
+def assert_grads_equal(ga, gb, rel=1e-5, later_rel=None):
     """Every element within rel * max|grad| of its tensor (fp32 sums in another order: an
     elementwise relative test is meaningless for near-zero elements), and the global gradient
     norms within 1e-6 relative at step 0 (identical parameters); later steps start from parameters
-    that already differ by the previous steps' rounding, so 1e-5 there."""
+    that already differ by the previous steps' rounding, so 1e-5 there. `later_rel[k]` replaces
+    `rel` at step k >= 1 (see `trl_sensitivity`)."""
     assert len(ga) == len(gb) and len(ga) > 0
     # non-trivial gradients (non-zero advantages), else equality would say nothing
     assert all(max(float(g.abs().max()) for g in step.values()) > 1e-3 for step in ga)
     for step, (a, b) in enumerate(zip(ga, gb)):
         assert a.keys() == b.keys()
+        tol_el = rel if step == 0 or later_rel is None else max(rel, later_rel[step])
         for n in a:
             scale = float(a[n].abs().max())
-            torch.testing.assert_close(b[n], a[n], rtol=0, atol=rel * scale,
+            torch.testing.assert_close(b[n], a[n], rtol=0, atol=tol_el * scale,
                                        msg=lambda m: f"step {step} grad {n}: {m}")
         norm = lambda g: torch.linalg.vector_norm(torch.stack(  # noqa: E731
             [torch.linalg.vector_norm(t.double()) for t in g.values()]))
@@ -183,8 +185,37 @@ def test_fused_loss_types_match_trl(tmp_path, over):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         fast, g_fast = train(fr_trl.FastGRPOTrainer, path, tmp_path / "fast", **over)
-    assert_grads_equal(g_ref, g_fast)
+    try:
+        assert_grads_equal(g_ref, g_fast)
+    except AssertionError:   # later steps: no closer than TRL is to itself (measured only when needed)
+        assert_grads_equal(g_ref, g_fast, later_rel=trl_sensitivity(g_ref, tmp_path, over))
     assert fast.fused_loss_calls >= 3
+
+
+def grad_gaps(ga, gb) -> list[float]:
+    """Per step: the largest |b - a| of any element over its tensor's max |a|."""
+    return [max(float((b[n] - a[n]).abs().max()) / max(float(a[n].abs().max()), 1e-30) for n in a)
+            for a, b in zip(ga, gb)]
+
+
+def trl_sensitivity(g_ref, tmp_path, over, runs=3) -> list[float]:
+    """Twice the largest step-k gap between TRL and TRL itself started from weights perturbed by
+    ~1 ulp (relative 6e-8 noise), over `runs` perturbations. With lr 1e-2 the trajectories amplify
+    rounding: for bnpo + entropy_coef 0.01 a 1-ulp start gives TRL vs TRL gaps of 1.8e-5 / 1.9e-5
+    at step 2 (2 of 3 seeds), above the fixed 1e-5; a kernel that rounds differently (e.g. more
+    exactly, as the off-target target entry does) can land there too. Step 0 stays strict."""
+    worst = [0.0] * len(g_ref)
+    for k in range(runs):
+        path = str(tmp_path / f"model_ulp{k}")
+        m = tiny_model("llama", seed=1)
+        g = torch.Generator().manual_seed(k)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(1 + 6e-8 * torch.randn(p.shape, generator=g))
+        m.save_pretrained(path)
+        _, g_p = train(trl.GRPOTrainer, path, tmp_path / f"ulp{k}", **over)
+        worst = [max(w, x) for w, x in zip(worst, grad_gaps(g_ref, g_p))]
+    return [2 * w for w in worst]
 
 
 def loss_batch(seed=1, b=4, p=5, c=7, vocab=63):
