@@ -52,3 +52,22 @@ def test_torch_backend_without_triton():
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip().endswith("ok"), out.stdout
     assert "blocked by the test" in out.stdout   # refused naming the failed import
+
+
+def test_bench_kernel_revs_runs_two_revisions_side_by_side(tmp_path):
+    """benchmarks/bench_kernel_revs.py imports kernels/ at a git revision as its own package beside
+    the checked-out one and times both (tiny shape, one pair): a table and the JSON."""
+    from pathlib import Path
+    import json
+    root = Path(__file__).resolve().parents[1]
+    if subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True).returncode:
+        import pytest
+        pytest.skip("not a git checkout")
+    out = tmp_path / "revs.json"
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_kernel_revs.py"), "--old", "HEAD",
+                        "--reps", "1", "--shape", "7,16,97", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4 and all(v["old_ms"] > 0 and v["new_ms"] > 0 for v in rows.values())
+    assert "policy_loss (torch fast path)" in r.stdout
