@@ -46,6 +46,7 @@ import math
 import torch
 
 from ._common import vocab_block
+from ._rowmath import put_target_
 
 
 # Direct forward: rows whose S = sum exp(s) ends outside this window (lse outside +-69) are redone
@@ -79,11 +80,7 @@ def _aug_weight_buf(bv: int, h: int, device) -> torch.Tensor:
 def _drop_target(blk: torch.Tensor, t_c, v0: int) -> torch.Tensor:
     """Zero, in place, the entry of each row's target when it lies in this vocabulary block (its
     columns start at v0): sums over the block then hold the off-target terms only."""
-    nb = blk.shape[1]
-    idx = t_c - v0
-    ic = idx.clamp(0, nb - 1).view(-1, 1)
-    inb = ((idx >= 0) & (idx < nb)).view(-1, 1)
-    return blk.scatter_(1, ic, torch.where(inb, 0.0, blk.gather(1, ic)))
+    return put_target_(blk, t_c - v0, 0.0)
 
 
 def _sum_exp(zb: torch.Tensor, with_entropy: bool, t_c, v0: int):

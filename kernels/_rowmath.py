@@ -79,6 +79,18 @@ def target_grad(logp, ent, off, off_ent, g1, g2):
     return dt if g1 is None else dt + g1 * off
 
 
+def put_target_(blk, t, value):
+    """blk[i, t[i]] = value (a scalar or fp32 [C]) in place, for the rows whose t[i] lies in
+    [0, width): blk may be a vocabulary block with t relative to its first column; the other
+    rows are unchanged. Returns blk."""
+    nb = blk.shape[1]
+    ic = t.clamp(0, nb - 1).view(-1, 1)
+    inb = ((t >= 0) & (t < nb)).view(-1, 1)
+    if isinstance(value, torch.Tensor):
+        value = value.view(-1, 1)
+    return blk.scatter_(1, ic, torch.where(inb, value, blk.gather(1, ic)))
+
+
 def row_grad_torch(z, t, lse, ent, g1, g2, inv_temp: float, out=None, *, dt):
     """dL/dz for one chunk. z fp32 [C, V] is scratch (overwritten); the result is returned,
     copied into `out` when that is a different buffer. g1/g2: fp32 [C] or None; dt = dL/ds_t
@@ -96,10 +108,7 @@ def row_grad_torch(z, t, lse, ent, g1, g2, inv_temp: float, out=None, *, dt):
         dz = p.mul_(logq.mul_(-g2.view(-1, 1)).sub_(off.view(-1, 1)))
     else:
         dz = logq.exp_().mul_(-g1.view(-1, 1))
-    v = dz.shape[1]
-    inb = (t >= 0) & (t < v)        # a target in another vocabulary block: not this block's entry
-    ti = t.clamp(0, v - 1).view(-1, 1)
-    dz.scatter_(1, ti, torch.where(inb, dt, dz.gather(1, ti).squeeze(1)).view(-1, 1))
+    put_target_(dz, t, dt)          # a target in another vocabulary block: not this block's entry
     if inv_temp != 1.0:
         dz.mul_(inv_temp)
     if out is None or out.data_ptr() == dz.data_ptr() or out.data_ptr() == z.data_ptr():
