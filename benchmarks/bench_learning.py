@@ -226,6 +226,16 @@ def weights_sha256(export: Path) -> str:
 
 
 SAME_AS_WARMUP = "same_weights_as_warmup.json"
+_SHA_MEMO: dict[tuple[str, str], str] = {}
+
+
+def _sha_of(export: Path) -> str:
+    """weights_sha256, hashed once per invocation and file state (the warm-up's export is compared
+    with every arm's, by the runs and again by the report: ~0.5 GB each time at 135M)."""
+    key = (str(export.resolve()), json.dumps(_fingerprint(export)))
+    if key not in _SHA_MEMO:
+        _SHA_MEMO[key] = weights_sha256(export)
+    return _SHA_MEMO[key]
 
 
 def same_as_warmup(run_dir: Path, warm: Path) -> str | None:
@@ -244,8 +254,8 @@ def same_as_warmup(run_dir: Path, warm: Path) -> str | None:
         pass
     if not list((run_dir / "export").glob("*.safetensors")):
         return None
-    sha = weights_sha256(run_dir / "export")
-    if sha != weights_sha256(warm / "export"):
+    sha = _sha_of(run_dir / "export")
+    if sha != _sha_of(warm / "export"):
         mark.unlink(missing_ok=True)
         return None
     mark.write_text(json.dumps({"sha256": sha, "fingerprint": _fingerprint(run_dir / "export"),
