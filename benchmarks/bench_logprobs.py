@@ -1,11 +1,14 @@
 """Forward+backward of the LM-head log-prob: ours vs naive / compiled / peer fused kernels.
 
     python benchmarks/bench_logprobs.py [--json PATH] [--n 1024 4096] [--fracs 1 0.5 0.25]
+                                        [--forward-only]
 
 Every method computes logp[i] = log_softmax(hidden @ weight.T)[i, targets[i]] on the unmasked
 rows and backpropagates sum(logp) into hidden and weight. Reported per (shape, N, unmasked
 fraction): median fwd+bwd time, peak extra memory, TFLOP/s counted as 6 * N_unmasked * H * V, the
 ratio to the device floor (that FLOP count at the measured dense GEMM rate) and to naive.
+--forward-only times the forward under torch.no_grad (what an RL trainer runs for the behaviour /
+reference log-probs) with 2 * N_unmasked * H * V FLOPs; its JSON defaults to bench_logprobs_fwd_*.
 "naive" materializes the full [N, V] logits for every row (masking afterwards), as most
 trainers do. GPU-only peers (Liger, cut-cross-entropy, our Triton path) are skipped on CPU with a
 note: the Triton interpreter is a correctness tool, not a performance path.
@@ -33,13 +36,20 @@ CPU_SHAPES = [(576, 49152)]
 
 # ---- methods: each returns a closure doing one fwd+bwd and returning logp (detached) ---------
 
+BACKWARD = True    # False under --forward-only: the closures skip .backward(), run under no_grad
+
+
+def _backward(lp):
+    if BACKWARD:
+        lp.sum().backward()
+
 
 def m_naive(x, w, t, mask):
     def run():
         z = (x @ w.t()).float()
         lp = torch.log_softmax(z, dim=-1).gather(1, t.clamp_min(0).view(-1, 1)).squeeze(1)
         lp = torch.where(mask, lp, torch.zeros_like(lp))
-        lp.sum().backward()
+        _backward(lp)
         return lp.detach()
     return run
 
@@ -57,7 +67,7 @@ def m_compile_chunked(x, w, t, mask, chunk=512):
         parts = [checkpoint(chunk_logp, xs[i:i + chunk], w, ts[i:i + chunk], use_reentrant=False)
                  for i in range(0, xs.shape[0], chunk)]
         lp = torch.cat(parts)
-        lp.sum().backward()
+        _backward(lp)
         return torch.zeros(x.shape[0], device=x.device).index_put((rows,), lp.detach().float())
     return run
 
@@ -68,7 +78,7 @@ def _ce_peer(ce_fn, x, w, t, mask):
 
     def run():
         lp = -ce_fn(x, w, tt, ignore_index=-100, reduction="none").float()
-        lp.sum().backward()
+        _backward(lp)
         return lp.detach()
     return run
 
@@ -95,7 +105,7 @@ def m_ours(backend):
     def make(x, w, t, mask):
         def run():
             lp, _ = linear_logprobs(x, w, t, mask=mask, backend=backend)
-            lp.sum().backward()
+            _backward(lp)
             return lp.detach()
         return run
     return make
@@ -123,10 +133,11 @@ def methods(device):
             out.append((name, fn, None))
         except ImportError:
             out.append((name, None, f"{mod} not installed"))
-    if cuda:
-        out.append(("ours (triton)", m_ours("triton"), None))
-    else:
-        out.append(("ours (triton)", None, "CUDA only (CPU runs it in the interpreter)"))
+    for backend in ("triton", "triton-fused"):
+        if cuda:
+            out.append((f"ours ({backend})", m_ours(backend), None))
+        else:
+            out.append((f"ours ({backend})", None, "CUDA only (CPU runs it in the interpreter)"))
     out.append(("ours (torch)", m_ours("torch"), None))
     return out
 
@@ -147,7 +158,8 @@ def bench_one(name, factory, x, w, t, mask, device, warmup, reps):
 
     def step():
         x.grad = w.grad = None
-        return run()
+        with torch.set_grad_enabled(BACKWARD):
+            return run()
 
     lp = step()
     for _ in range(max(0, warmup - 1)):
@@ -191,7 +203,8 @@ def _interleaved(todo, x, w, t, mask, device, warmup, reps):
 
         def step(run=run, name=name):
             reset()
-            lp = run()
+            with torch.set_grad_enabled(BACKWARD):
+                lp = run()
             first_lp.setdefault(name, lp)
             return lp
         steps[name] = (step, reset)
@@ -222,6 +235,8 @@ def main(argv=None):
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="input dtype (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--forward-only", action="store_true",
+                   help="time the forward under torch.no_grad (behaviour / reference log-probs)")
     p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
                    help="time the methods of a config round-robin (default on CPU: a shared "
                         "box's load then hits every method alike); --no-interleave: one "
@@ -230,6 +245,8 @@ def main(argv=None):
                    help="torch CPU threads (default 1 on CPU: this box is shared, and one thread "
                         "keeps medians stable; every method gets the same)")
     args = p.parse_args(argv)
+    global BACKWARD
+    BACKWARD = not args.forward_only
     device = torch.device(args.device)
     if args.interleave is None:
         args.interleave = device.type == "cpu"
@@ -241,7 +258,8 @@ def main(argv=None):
     shapes = ([tuple(int(s) for s in sh.split("x")) for sh in args.shapes] if args.shapes
               else (GPU_SHAPES if cuda else CPU_SHAPES))
     reps = args.reps or (10 if cuda else 3)
-    path = args.json or default_json("bench_logprobs", device)
+    path = args.json or default_json("bench_logprobs_fwd" if args.forward_only
+                                     else "bench_logprobs", device)
 
     hw = hardware(device)
     rate = matmul_tflops(device, dtype)
@@ -252,7 +270,7 @@ def main(argv=None):
             for frac in args.fracs:
                 x, w, t, mask = make_inputs(n, h, v, frac, device, dtype)
                 n_sel = int(mask.sum())
-                flops = 6 * n_sel * h * v
+                flops = (2 if args.forward_only else 6) * n_sel * h * v
                 base_lp = None
                 todo = []
                 for name, factory, note in methods(device):
@@ -292,7 +310,8 @@ def main(argv=None):
                                # minus the dX and dW every method must return: the workspace the
                                # issue's "extra memory <= 256 MiB" (GPU) is about
                                workspace_bytes=None if mem is None else
-                               max(0, mem - (n * h + v * h) * torch.finfo(dtype).bits // 8),
+                               max(0, mem - (0 if args.forward_only else
+                                             (n * h + v * h) * torch.finfo(dtype).bits // 8)),
                                tflops=round(flops / (ms * 1e-3) / 1e12, 4),
                                floor_ratio=round(ms / (flops / (rate * 1e12) * 1e3), 2)
                                if flops else None,
@@ -320,8 +339,11 @@ def save(path, rows, skipped, hw, dtype, rate, args, *, final):
             if r["peak_extra_bytes"] is not None and base["peak_extra_bytes"]:
                 r["mem_vs_naive"] = round(r["peak_extra_bytes"] / base["peak_extra_bytes"], 3)
     cuda = str(hw.get("device", "")).startswith("cuda")
+    fwd = args.forward_only
     payload = {"benchmark": "bench_logprobs", "hardware": hw, "dtype": str(dtype),
-               "gemm_tflops": rate, "flops_counted": "6 * n_unmasked * H * V",
+               "pass": "forward only (torch.no_grad)" if fwd else "forward + backward",
+               "gemm_tflops": rate,
+               "flops_counted": f"{2 if fwd else 6} * n_unmasked * H * V",
                "memory": ("CUDA max_memory_allocated" if cuda else
                           "peak RSS (VmHWM) above the RSS before the call")
                + " (peak_extra_bytes); workspace_bytes = that minus the dX and dW gradients",
@@ -333,13 +355,15 @@ def save(path, rows, skipped, hw, dtype, rate, args, *, final):
         return
     table = [dict(r, shape=f"{r['H']}x{r['V']}", mem=fmt_bytes(r["peak_extra_bytes"]),
                   workspace=fmt_bytes(r["workspace_bytes"])) for r in rows]
-    print_table(f"fwd+bwd log-prob, {dtype}, {hw.get('gpu') or hw['cpu']}", table,
+    print_table(f"{'fwd' if fwd else 'fwd+bwd'} log-prob, {dtype}, {hw.get('gpu') or hw['cpu']}",
+                table,
                 ["shape", "N", "frac", "method", "median_ms", "mem", "workspace", "tflops",
                  "floor_ratio", "time_vs_naive", "mem_vs_naive"])
     for name, note in skipped.items():
         print(f"skipped {name}: {note}")
     plot_by_config(path.with_suffix(".png"), rows,
-                   title=f"linear log-prob fwd+bwd ({hw.get('gpu') or hw['cpu']})")
+                   title=f"linear log-prob {'fwd' if fwd else 'fwd+bwd'} "
+                         f"({hw.get('gpu') or hw['cpu']})")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@
 #   2. pytest               tests/test_kernels_cuda.py + tests/test_model.py -k cuda
 #   3. bench_logprobs       H=4096 V=128256 N=16384 bf16, unmasked 1.0 / 0.25 (compile: 1.0 only)
 #   4. bench_policy_loss    same shape, fused / unfused (triton)
+#   4b. bench_logprobs --forward-only  same shape, all rows (old / reference log-probs: the
+#                           case the fused tl.dot + LSE backend "triton-fused" is for)
 #   5. bench_e2e_gpu.py     Qwen3-1.7B-shaped rollout + one RL step (1-rank FSDP2)
 #   6. bench_logprobs       the other shapes (576x49152, 2048x151936), N 4096 / 16384
 #   7. bench_policy_loss    Liger's chunked GRPO loss (torch.compile'd: its own step)
@@ -20,7 +22,8 @@
 # Torch-backend methods ("ours (torch)", "fused/unfused (torch)") are not run on CUDA.
 # Every benchmark rewrites its JSON after each configuration, so a step's timeout keeps what it
 # measured. Files in $OUT (the device tool returns at most 8): gpu_check.log and the JSON of the
-# steps (PNGs are moved out; regenerate them from the JSON).
+# steps (PNGs are moved out; regenerate them from the JSON); past 8 files the last steps' JSON go
+# into one gpu_check_extra.tgz at the end.
 set -u -o pipefail
 
 DRY=0
@@ -60,17 +63,21 @@ if [ "$SMOKE" = 1 ]; then
   DEV=cpu; SHAPE=64x1000; NS="128"; SHAPES2="32x500"; NS2="64"; REPS=1
   MB_ARGS="--smoke"; E2E_ARGS="--tiny"; PACK_ARGS="--episodes 16 --seeds 1 --budgets 8192 --thr-episodes 4 --thr-max-tokens 8192 --repeats 1"
   LP_METHODS=(naive "F.linear_cross_entropy chunked" "ours (torch)")
+  FWD_METHODS=(naive "F.linear_cross_entropy chunked" "ours (torch)")
   PL_METHODS=("fused (torch)" "unfused (torch)")
 else
   DEV=cuda; SHAPE=4096x128256; NS="16384"; SHAPES2="576x49152 2048x151936"; NS2="4096 16384"; REPS=5
   MB_ARGS=""; E2E_ARGS=""; PACK_ARGS="--repeats 2"
   LP_METHODS=(naive "torch.compile chunked" F.linear_cross_entropy "F.linear_cross_entropy chunked"
-              "liger FLCE" cut-cross-entropy "ours (triton)")
+              "liger FLCE" cut-cross-entropy "ours (triton)" "ours (triton-fused)")
+  FWD_METHODS=(naive "F.linear_cross_entropy chunked" "liger FLCE" cut-cross-entropy
+               "ours (triton)" "ours (triton-fused)")
   PL_METHODS=("fused (triton)" "fused (triton, bf16 dW, 1.5 GiB)" "unfused (triton)")
 fi
 
 LP_METHODS2=()   # the other shapes: no torch.compile (its compile per shape eats the budget)
-for m in "${LP_METHODS[@]}"; do [ "$m" = "torch.compile chunked" ] || LP_METHODS2+=("$m"); done
+for m in "${LP_METHODS[@]}"; do   # and no triton-fused (step 4b covers it at the main shape)
+  [ "$m" = "torch.compile chunked" ] || [ "$m" = "ours (triton-fused)" ] || LP_METHODS2+=("$m"); done
 
 # ---- 1. environment: the repo as fastrehearse(.kernels), optional peer wheels -------------------
 if [ "$DRY" = 0 ]; then
@@ -122,6 +129,10 @@ step "bench_policy_loss $SHAPE" 60 $PY benchmarks/bench_policy_loss.py --device 
   --shapes $SHAPE --n $NS --fracs 1.0 0.25 --reps $REPS --methods "${PL_METHODS[@]}" \
   --json "$OUT/bench_policy_loss_gpu.json"
 
+step "bench_logprobs forward-only $SHAPE" 45 $PY benchmarks/bench_logprobs.py --device $DEV \
+  --forward-only --shapes $SHAPE --n $NS --fracs 1.0 --reps $REPS --methods "${FWD_METHODS[@]}" \
+  --json "$OUT/bench_logprobs_fwd_gpu.json"
+
 step "bench_e2e_gpu" 120 $PY benchmarks/bench_e2e_gpu.py $E2E_ARGS --json "$OUT/bench_e2e_gpu.json"
 
 step "bench_logprobs other shapes" 80 $PY benchmarks/bench_logprobs.py --device $DEV \
@@ -138,6 +149,13 @@ step "bench_packing" 60 $PY benchmarks/bench_packing.py --device $DEV $PACK_ARGS
 
 if [ "$DRY" = 0 ]; then
   mkdir -p /tmp/gpu_check_png && mv -f "$OUT"/*.png /tmp/gpu_check_png/ 2>/dev/null
+  if [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then    # the device tool returns 8 files at most
+    extra=()
+    for f in bench_packing_gpu.json bench_policy_loss_liger_gpu.json bench_logprobs_gpu_shapes.json; do
+      [ -f "$OUT/$f" ] && extra+=("$f")
+    done
+    (cd "$OUT" && tar czf gpu_check_extra.tgz "${extra[@]}" && rm -f "${extra[@]}")
+  fi
   ls -la "$OUT" | tee -a "$LOG"
 fi
 say "done in $(( $(date +%s) - T0 ))s (budget ${BUDGET_S}s)"

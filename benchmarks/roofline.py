@@ -7,7 +7,7 @@
 For every method of bench_logprobs.py / bench_policy_loss.py (ours as `ours-logprobs` and
 `ours-fused-loss` in labelled designs, `design_key`: "row-chunked" with the V x H fp32 dW
 accumulator and 256 MiB logits chunks, "vocab-outer" as kernels/_vocab_outer.py does it with the
-code's own block plan; for the fused loss "budgeted" (row-chunked, chunks from the code's own
+code's own block plan, "fused-fwd" the backend "triton-fused" (tl.dot + LSE tile forward); for the fused loss "budgeted" (row-chunked, chunks from the code's own
 `fused_loss_rows` workspace plan, fp32 dW accumulator: the default), "budgeted-bf16" (the same
 with `dw_accum_dtype=torch.bfloat16`, opt-in, at a 1.5 GiB budget), a HYPOTHETICAL two-sweep
 "vocab-outer" and a HYPOTHETICAL "bf16-acc" (bf16 dW + per-token terms fused into the row
@@ -201,6 +201,9 @@ def cce(n, h, v, block=128):
                         "models CCE filters most vocabulary tiles out of the backward")
 
 
+FUSED_TILE_N = 128               # kernels/_fused_lse.py: vocabulary columns per bf16 tile
+
+
 def _ours_chunk(n, v):
     rows = max(1, CHUNK_BYTES_CUDA // (F32 * v))
     if rows >= 64:
@@ -281,6 +284,22 @@ def ours_logprobs(n, h, v, design, budget):
                       workspace=v * h * F32 + c * v * (F32 + BF16), key=design,
                       notes=f"{c}-row chunks; workspace: fp32 dW accumulator + fp32 Z + bf16 dZ")
     bwd, ws, (groups, r, cols) = _vocab_outer_backward(n, h, v, budget)
+    if design == "fused-fwd":
+        # backend="triton-fused" (kernels/_fused_lse.py): the forward's logits live in registers
+        # (tl.dot tiles of FUSED_TILE_N columns + an online LSE), 3 fp32 partials per row and
+        # tile go out, a torch merge reads them back; the backward is the vocabulary-outer one
+        nt = math.ceil(v / FUSED_TILE_N)
+        fwd_f = [gemm(f"fwd fused tiles: Z in registers + LSE ({FUSED_TILE_N}-col tiles, 3 fp32 "
+                      f"partials per row and tile)", n, v, h, out_bytes=3 * F32 / FUSED_TILE_N),
+                 passes(f"merge the partials (torch: ~7 reads + 3 writes of [N, {nt}] fp32)",
+                        10 * n * nt * F32, 1, 14)]
+        return Design("ours-logprobs", "backend triton-fused: tl.dot + LSE tile kernel forward "
+                      "(logits never in HBM), vocabulary-outer backward", "ours (triton-fused)",
+                      False, 8, fwd_f + bwd, workspace=max(ws, 4 * n * nt * F32), key=design,
+                      notes=f"forward one launch, {nt} vocabulary tiles, its tl.dot ASSUMED at "
+                            f"the cuBLAS rate (Triton Hopper GEMMs often run 10-30% below: then "
+                            f"this design is the slower one); backward {groups} group(s) of {r} "
+                            f"rows x V_b={cols}")
     return Design("ours-logprobs", "vocabulary-outer backward (the CUDA path since commit "
                   "c0f2889: kernels/_vocab_outer.py, blocks from vocab_outer_plan)",
                   "ours (triton)", False, 8, fwd + bwd,
@@ -450,7 +469,7 @@ def designs(n_all, n_unmasked, h, v, budget, fused_budget=None):
     nu = n_unmasked
     out = [naive(n_all, h, v), compile_chunked(nu, h, v), torch_lce(n_all, h, v),
            torch_lce_chunked(n_all, h, v), liger_flce(n_all, h, v), cce(nu, h, v)]
-    for d in ("row-chunked", "vocab-outer"):
+    for d in ("row-chunked", "vocab-outer", "fused-fwd"):
         out.append(ours_logprobs(nu, h, v, d, budget))
     for d in ("budgeted", "budgeted-bf16", "row-chunked", "vocab-outer", "bf16-acc"):
         out.append(ours_fused_loss(nu, h, v, d, budget, fused_budget))

@@ -10,7 +10,7 @@ import warnings
 import torch
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "triton-fused")
 
 # Bytes of fp32 logits one chunk may hold. The torch backend keeps ~3 chunk-sized temporaries
 # alive at once (logits, shifted logits, exp), the Triton backend ~2 (logits, dlogits), so the
@@ -53,15 +53,24 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             warnings.warn(f"fastrehearse.kernels: triton is not importable "
                           f"({triton_missing()}); backend='auto' uses the torch backend on CUDA")
         return "torch"
-    if backend == "triton":
+    if backend in ("triton", "triton-fused"):
         if not triton_usable(device):
             raise ValueError(
-                f"backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 for CPU tensors "
+                f"backend={backend!r} needs CUDA tensors or TRITON_INTERPRET=1 for CPU tensors "
                 f"(got device {device}); use backend='torch' or 'auto'")
         if triton_missing() is not None:
-            raise ValueError(f"backend='triton' needs the triton package ({triton_missing()}); "
+            raise ValueError(f"backend={backend!r} needs the triton package ({triton_missing()}); "
                              f"use backend='torch' or 'auto'")
     return backend
+
+
+def check_fused_forward(backend: str, head) -> None:
+    """backend='triton-fused' computes logits inside its tile kernel, which applies no LM-head
+    bias or soft-cap (a lone positive logit scale is folded into 1/T and is fine)."""
+    if backend == "triton-fused" and head is not None:
+        raise ValueError("backend='triton-fused' does not support an LM-head bias, logit_softcap "
+                         "or a negative logit_scale (its tile kernel applies none of them); use "
+                         "backend='triton'")
 
 
 def chunk_rows(n: int, v: int, device: torch.device, chunk_size: int | None = None) -> int:
@@ -75,6 +84,18 @@ def chunk_rows(n: int, v: int, device: torch.device, chunk_size: int | None = No
     if rows >= 64:
         rows -= rows % 64  # GEMM-friendly row counts
     return max(1, min(rows, max(n, 1)))
+
+
+def fused_rows(n: int, v: int, dtype: torch.dtype, device: torch.device,
+               chunk_size: int | None = None) -> int:
+    """Rows per launch of backend 'triton-fused' (_fused_lse.py): its per-row workspace is 4 fp32
+    numbers per vocabulary tile (partials + merge; about 1/32 of an fp32 logits row), held to the
+    same byte budget as a logits chunk: ~16k rows per launch at V=128256 on CUDA."""
+    if chunk_size is not None:
+        return chunk_rows(n, v, device, chunk_size)
+    from ._fused_lse import partial_bytes_per_row    # imports triton: only for this backend
+    budget = CHUNK_BYTES_CUDA if device.type == "cuda" else CHUNK_BYTES_CPU
+    return max(1, min(max(n, 1), budget // partial_bytes_per_row(v, dtype, device)))
 
 
 # Torch backend (vocabulary-blocked, see _blocked.py): rows per row block (dW_b GEMMs have K =

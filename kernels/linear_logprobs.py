@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 
 from ._blocked import blocked_backward, blocked_stats
-from ._common import (addmm_f32_, check_linear_inputs, check_targets, check_temperature,
-                      check_workspace_bytes, chunk_rows, grad_dtype, mm_f32, resolve_backend,
-                      torch_block_rows, vocab_outer_plan)
+from ._common import (addmm_f32_, check_fused_forward, check_linear_inputs, check_targets,
+                      check_temperature, check_workspace_bytes, chunk_rows, fused_rows,
+                      grad_dtype, mm_f32, resolve_backend, torch_block_rows, vocab_outer_plan)
 from ._head import build_head
 from ._rowmath import row_grad, row_stats, target_grad
 from ._vocab_outer import block_elem_bytes, vocab_outer_backward
@@ -92,6 +92,7 @@ class _LinearLogprobs(torch.autograd.Function):
         else:
             logp, lse, ent, off, off_ent = _row_chunked_stats(x, w, t, inv_temp, with_entropy,
                                                               backend, chunk, head)
+            backend = "triton" if backend == "triton-fused" else backend   # backward: blocks
         ctx.save_for_backward(x, w, t, lse, ent, logp, off, off_ent)
         ctx.cfg = (inv_temp, with_entropy, backend, chunk, head, bwd_rows, ws_bytes)
         ctx.set_materialize_grads(False)
@@ -132,21 +133,31 @@ class _LinearLogprobs(torch.autograd.Function):
 
 
 def _row_chunked_stats(x, w, t, inv_temp, with_entropy, backend, chunk, head=None):
-    """Forward sweep of the row-chunked path: rows in chunks, the whole vocabulary per chunk."""
+    """Forward sweep of the row-chunked path: rows in chunks, the whole vocabulary per chunk
+    (backend 'triton-fused': the stats straight from x and w, no logits block)."""
     n = x.shape[0]
+    if backend == "triton-fused":
+        from ._fused_lse import fused_row_stats   # lazy: triton only when it is used
+        fn = lambda a, b: fused_row_stats(x[a:b], w, t[a:b], inv_temp, with_entropy)  # noqa: E731
+    else:
+        fn = None
     logp = torch.empty(n, device=x.device, dtype=torch.float32)
     lse, off = torch.empty_like(logp), torch.empty_like(logp)
     ent = torch.empty(n if with_entropy else 0, device=x.device, dtype=torch.float32)
     off_ent = torch.empty_like(ent)
     for s in range(0, n, chunk):
         e = min(n, s + chunk)
-        z = mm_f32(x[s:e], w.t())
-        if head is not None:
-            z = head.forward(z, backend)
-        logp[s:e], h, lse[s:e], off[s:e], b = row_stats(z, t[s:e], inv_temp, with_entropy, backend)
+        if fn is not None:
+            logp[s:e], h, lse[s:e], off[s:e], b = fn(s, e)
+        else:
+            z = mm_f32(x[s:e], w.t())
+            if head is not None:
+                z = head.forward(z, backend)
+            logp[s:e], h, lse[s:e], off[s:e], b = row_stats(z, t[s:e], inv_temp, with_entropy,
+                                                            backend)
+            del z
         if with_entropy:
             ent[s:e], off_ent[s:e] = h, b
-        del z
     return logp, lse, ent, off, off_ent
 
 
@@ -185,7 +196,9 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
             (after the head's scale and soft-cap).
         with_entropy: also return the per-row entropy (differentiable).
         backend: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch", or "auto"
-            (triton on CUDA, torch otherwise).
+            (triton on CUDA, torch otherwise). "triton-fused": the forward's logits GEMM and
+            log-sum-exp in one Triton tile kernel (logits never in memory, `_fused_lse.py`),
+            the backward as "triton"; no LM-head bias / soft-cap.
         chunk_size: rows per chunk (default: from a memory budget, see `_common.chunk_rows`).
         bias: [V] LM-head bias or None (differentiable).
         logit_softcap: c > 0 or None: logits = c * tanh(logits / c) (Gemma 2/3's
@@ -205,6 +218,7 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     head, inv_temp = build_head(bias, logit_softcap, logit_scale, weight,
                                 1.0 / check_temperature(temperature))
     backend = resolve_backend(backend, hidden.device)
+    check_fused_forward(backend, head)
     n, v = hidden.shape[0], weight.shape[0]
     rows = compact_rows(mask, n)
     x = hidden if rows is None else hidden.index_select(0, rows)
@@ -213,8 +227,12 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     t = t.long().contiguous()
     x = x.contiguous()
     w = weight.contiguous()
-    chunk = (torch_block_rows(x.shape[0], chunk_size) if backend == "torch" and head is None
-             else chunk_rows(x.shape[0], v, x.device, chunk_size))
+    if backend == "torch" and head is None:
+        chunk = torch_block_rows(x.shape[0], chunk_size)
+    elif backend == "triton-fused":
+        chunk = fused_rows(x.shape[0], v, x.dtype, x.device, chunk_size)
+    else:
+        chunk = chunk_rows(x.shape[0], v, x.device, chunk_size)
     b = None if head is None else bias
     logp, ent = _LinearLogprobs.apply(x, w, b, t, inv_temp, bool(with_entropy), backend, chunk,
                                       head, chunk_size, check_workspace_bytes(workspace_bytes))

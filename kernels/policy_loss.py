@@ -50,8 +50,8 @@ from typing import Sequence
 
 import torch
 
-from ._common import (check_linear_inputs, check_targets, check_workspace_bytes, fused_loss_rows,
-                      resolve_backend)
+from ._common import (check_fused_forward, check_linear_inputs, check_targets,
+                      check_workspace_bytes, fused_loss_rows, fused_rows, resolve_backend)
 from ._rowmath import row_stats, target_grad
 from ._head import build_head
 from .linear_logprobs import chunk_grad, head_logits, linear_logprobs
@@ -393,6 +393,10 @@ def _fused_sweep(x, w, plan, need_dx, need_dw, need_db=False):
                 sum_e = sum_off + e_t
                 h = None
             lp = sm_t - torch.log(sum_e)
+        elif plan.fused_fwd:
+            from ._fused_lse import fused_row_stats    # lazy: triton only when it is used
+            lp, h, _, _, _ = fused_row_stats(x_c, w, t_c, inv_temp, plan.with_entropy)
+            z = None
         else:
             z, z_pre = head_logits(x_c, w, head, plan.backend)
             lp, h, lse, off, off_ent = row_stats(z, t_c, inv_temp, plan.with_entropy, plan.backend)
@@ -569,6 +573,10 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
             missing role is 0) or a length-NUM_ROLES sequence / 1-D tensor indexed by role id.
             Default: this call's counts.
         token_weights: [N] float per-token c_t replacing 1/n_r (see module docstring).
+        backend: as in `linear_logprobs`. "triton-fused" fuses the logits GEMM with the
+            log-sum-exp where only the forward runs (no gradient wanted: old / reference
+            log-probs, evaluation); a sweep with a gradient needs each chunk's logits for dZ and
+            runs as "triton".
         fused: one-pass fused kernel (True) or linear_logprobs + torch loss (False, reference).
             importance_sampling="sequence" always runs the latter (a sequence's ratio needs all
             its tokens' log-probs before any gradient).
@@ -616,6 +624,7 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
                          f"({weight.dtype}), got {dw_accum_dtype!r}")
     head, inv_temp = build_head(bias, logit_softcap, logit_scale, weight,
                                 1.0 / float(cfg.temperature))
+    check_fused_forward(backend, head)
     head_kw = dict(bias=bias, logit_softcap=logit_softcap, logit_scale=logit_scale)
 
     weights = cfg.role_weights()
@@ -648,15 +657,21 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
         grad_on = torch.is_grad_enabled()
         plan = _Plan(t=t_c.long().contiguous(), roles=r_c, adv=adv_c, old=old_c, ref=ref_c,
                      scale=scale, cfg=cfg, inv_temp=inv_temp, with_entropy=with_ent,
-                     backend=backend, head=head,
+                     backend="triton" if backend == "triton-fused" else backend, head=head,
                      fast=_fast_torch(backend, cfg.entropy_coef != 0.0, head),
                      need_dx=grad_on and hidden.requires_grad,
                      need_dw=grad_on and weight.requires_grad,
                      need_db=(grad_on and head is not None and bias is not None
                               and bias.requires_grad), dw_dtype=dw_accum_dtype)
-        plan.chunk = _chunk_rows(rows.numel(), weight, head, plan.fast,
-                                 plan.need_dx or plan.need_dw or plan.need_db, plan.need_dw,
-                                 workspace_bytes, chunk_size, with_ent, dw_accum_dtype)
+        grad = plan.need_dx or plan.need_dw or plan.need_db
+        # 'triton-fused' fuses the forward-only sweep; a gradient needs each chunk's logits for
+        # dZ anyway (6NHV in one sweep), so that sweep is the "triton" one
+        plan.fused_fwd = backend == "triton-fused" and not grad
+        if plan.fused_fwd:
+            plan.chunk = fused_rows(rows.numel(), v, weight.dtype, dev, chunk_size)
+        else:
+            plan.chunk = _chunk_rows(rows.numel(), weight, head, plan.fast, grad, plan.need_dw,
+                                     workspace_bytes, chunk_size, with_ent, dw_accum_dtype)
         b = bias if head is not None else None
         if plan.need_dx or plan.need_dw or plan.need_db:
             loss = _FusedPolicyLoss.apply(x_c.contiguous(), weight.contiguous(), b, plan)

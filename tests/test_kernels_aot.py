@@ -228,8 +228,31 @@ def recipe_vocab_outer(h: int, v: int) -> None:
             hb.backward_(du, z if hb.needs_pre else None, "triton")
 
 
+def recipe_fused_lse(h: int, v: int, dtype: torch.dtype = DTYPE) -> None:
+    """backend='triton-fused' (kernels/_fused_lse.py): the tile kernel (tl.dot + log-sum-exp) as
+    its forward launches it, rows per launch from the code's own budget (`fused_rows`), with and
+    without the entropy; bf16 here (tensor cores), fp32 (IEEE dot) in recipe_fused_lse_fp32."""
+    from fastrehearse.kernels import _common
+    try:
+        from fastrehearse.kernels import _fused_lse
+    except ImportError:    # a checkout without the fused backend
+        return
+    dev = torch.device("cuda")
+    c = _common.fused_rows(N_ROWS, v, dtype, dev)
+    x, w, t = _fake((c, h), dtype), _fake((v, h), dtype), _fake((c,), torch.int64)
+    for with_ent in (False, True):
+        _fused_lse.fused_row_stats(x, w, t, 1.0, with_ent)
+
+
+def recipe_fused_lse_fp32(h: int, v: int) -> None:
+    recipe_fused_lse(h, v, torch.float32)
+
+
+recipe_fused_lse_fp32.dtype_label = "fp32"
+
+
 # Every recipe runs for every shape; together they must launch every discovered kernel.
-RECIPES = [recipe_rows, recipe_head, recipe_vocab_outer]
+RECIPES = [recipe_rows, recipe_head, recipe_vocab_outer, recipe_fused_lse, recipe_fused_lse_fp32]
 
 
 def record_launches(kernels) -> list[dict]:
@@ -246,7 +269,8 @@ def record_launches(kernels) -> list[dict]:
                     f"launch recipe {recipe.__name__} failed at H={h} V={v}: {type(e).__name__}: "
                     f"{e} (the launch code changed? update tests/test_kernels_aot.py)") from e
             for rec in launches[n0:]:
-                rec["shape"] = {"N": N_ROWS, "H": h, "V": v, "dtype": "bf16"}
+                rec["shape"] = {"N": N_ROWS, "H": h, "V": v,
+                                "dtype": getattr(recipe, "dtype_label", "bf16")}
     return launches
 
 
@@ -312,6 +336,7 @@ def compile_one(rec, target, backend) -> dict:
             "registers": r, "stack_bytes": int(spill.group(1)),
             "spill_store_bytes": int(spill.group(2)), "spill_load_bytes": int(spill.group(3)),
             "shared_bytes": ck.metadata.shared,
+            "wgmma": "wgmma" in ck.asm["ptx"],   # Hopper tensor-core MMA (kernels with tl.dot)
             # resident CTAs per SM from registers (64K/SM) and the 64-warp / 32-CTA limits
             "max_ctas_per_sm": min(65536 // (per_warp * nw), 64 // nw, 32),
             "compile_s": round(time.perf_counter() - t0, 2)}

@@ -3,7 +3,8 @@ interpreter), bf16 with fp32-result GEMMs, and the torch backend on CUDA, agains
 
 The CPU tests cover the math with the Triton interpreter in fp32/fp16; these check what only a
 GPU runs: bf16 tensor-core GEMMs (`out_dtype=float32` where torch has it), bf16 dZ, compiled
-Triton row kernels at a real block size. Run by benchmarks/gpu_check.sh.
+Triton row kernels at a real block size, the fused tl.dot + log-sum-exp tile kernel
+('triton-fused') on real bf16 tensor cores. Run by benchmarks/gpu_check.sh.
 """
 import pytest
 import torch
@@ -37,7 +38,7 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = old
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "triton-fused", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,h,v,temperature,scale", [(301, 256, 5003, 0.8, 1.0),
                                                      (67, 128, 50257, 1.0, 30.0)])
@@ -66,7 +67,7 @@ def test_linear_logprobs_cuda(backend, dtype, n, h, v, temperature, scale):
     assert rel_err(wk.grad.cpu(), wr.grad) <= grad_tol
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "triton-fused", "torch"])
 def test_confident_rows_cuda(backend):
     """Rows with 1 - p_t from ~1 down to 4e-9 (fp32, exact dyadic GEMM): each row's dX within
     CONFIDENT_ROW_TOL of float64, as on the CPU (the target entry from the off-target mass)."""

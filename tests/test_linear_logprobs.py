@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from _kernel_ref import CONFIDENT_ROW_TOL, confident_rows, ref_logprobs, rel_err, row_rel_err
 from fastrehearse.kernels import linear_logprobs
 
-BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", "triton", "triton-fused"]
 LOGP_TOL = 1e-4   # fp32: max abs error of logp / entropy
 GRAD_TOL = 1e-4   # fp32: ||g - g_ref|| / ||g_ref||
 
@@ -303,7 +303,8 @@ def test_confident_row_gradient_precision(backend):
     check_against_ref(backend, 1, 34, 7, seed=452, temperature=0.3125, chunk_size=1, scale=3.0)
 
 
-@pytest.mark.parametrize("backend,kw", [("torch", {}), ("triton", {}), ("torch", {"chunk_size": 3}),
+@pytest.mark.parametrize("backend,kw", [("torch", {}), ("triton", {}), ("triton-fused", {}),
+                                        ("torch", {"chunk_size": 3}),
                                         ("torch", {"logit_scale": 1.0}),   # row-chunked torch path
                                         ("triton", {"workspace_bytes": 1})])  # vocab-outer groups
 @pytest.mark.parametrize("grads", [("logp",), ("ent",), ("logp", "ent")])

@@ -42,7 +42,8 @@ def test_schema_and_every_method_present(recs):
     # both designs of ours, labelled distinctly
     for m, extra in (("ours-logprobs", set()), ("ours-fused-loss", {"budgeted", "bf16-acc", "budgeted-bf16"})):
         keys = {r["design_key"] for r in recs if r["method"] == m and r["unmasked"] == 1.0}
-        assert keys == {"row-chunked", "vocab-outer"} | extra
+        assert keys == {"row-chunked", "vocab-outer"} | extra | (
+            {"fused-fwd"} if m == "ours-logprobs" else set())
 
 
 def test_hand_computed_flops_and_bytes(recs):
@@ -91,7 +92,7 @@ def test_small_shape_piece_times():
 
 def test_targets_and_json(tmp_path, recs):
     t = roofline.targets(recs)
-    assert len(t) == 7
+    assert len(t) == 8
     bf = next(x for x in t if x["method"] == "ours-fused-loss" and x["design_key"] == "budgeted-bf16")
     # opt-in dw_accum_dtype=bf16 at a 1.5 GiB budget: 1.098x in 1.47 GiB PREDICTED, both targets
     assert 1.0 < bf["time_vs_target_floor"] <= 1.10 and bf["time_met"] and bf["workspace_met"]
@@ -102,11 +103,29 @@ def test_targets_and_json(tmp_path, recs):
     assert not cur["workspace_met"]                    # the 2 GiB fp32 dW accumulator
     vo = next(x for x in t if x["method"] == "ours-logprobs" and x["design_key"] == "vocab-outer")
     assert vo["workspace_met"]
+    ff = next(x for x in t if x["method"] == "ours-logprobs" and x["design_key"] == "fused-fwd")
+    assert ff["time_vs_target_floor"] < vo["time_vs_target_floor"] and ff["workspace_met"]
+
     out = tmp_path / "r.json"
     roofline.main(["--shapes", "576x49152", "--n", "4096", "--fracs", "1.0", "--json", str(out),
                    "--measured"])
     data = json.loads(out.read_text())
     assert isinstance(data, list) and data and all(KEYS <= set(r) for r in data)
+
+
+def test_fused_forward_bytes(recs):
+    """backend triton-fused: the forward tile GEMM writes 3 fp32 partials per row and 128-column
+    tile instead of fp32 logits; no row-stats pass over [N, V]; the backward is vocab-outer's."""
+    ff = _find(recs, "ours-logprobs", "fused-fwd")
+    vo = _find(recs, "ours-logprobs", "vocab-outer")
+    fwd = ff["pieces"][0]
+    assert fwd["flops"] == 2 * N * H * V
+    assert fwd["bytes"] == pytest.approx(N * H * 2 + V * H * 2 + N * V * 12 / 128)
+    assert not any("_row_stats_kernel" in p["name"] for p in ff["pieces"])
+    assert ff["flops"] == vo["flops"] == 8 * N * H * V
+    bwd = lambda r: [p for p in r["pieces"] if not p["name"].startswith(("fwd", "merge",  # noqa
+                                                                          "small torch ops per chunk (fwd"))]
+    assert bwd(ff) == bwd(vo)
 
 
 def test_measured_join(tmp_path):
