@@ -363,7 +363,8 @@ def save(path, rows, skipped, hw, dtype, rate, args, *, final):
         print(f"skipped {name}: {note}")
     plot_by_config(path.with_suffix(".png"), rows,
                    title=f"linear log-prob {'fwd' if fwd else 'fwd+bwd'} "
-                         f"({hw.get('gpu') or hw['cpu']})")
+                         f"({hw.get('gpu') or hw['cpu']})",
+                   ylabel=f"{'fwd (no_grad)' if fwd else 'fwd+bwd'} median ms")
 
 
 if __name__ == "__main__":
