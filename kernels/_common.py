@@ -64,13 +64,32 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def fused_forward_backend(backend: str, x: torch.Tensor, needs_grad: bool) -> str:
+    """backend='triton-fused' saves an lse from its tile kernel's fp32 logits; a backward rebuilds
+    p = exp(s - lse) from logits recomputed by `mm_f32`. Where that GEMM cannot return fp32 for
+    bf16 / fp16 (a torch without `out_dtype`), its logits are rounded to the input dtype and would
+    not match the saved lse (percent-level gradient errors), so a forward that will be
+    differentiated runs as 'triton' (whose forward uses the same GEMM), with a warning once."""
+    if backend != "triton-fused" or not needs_grad or x.dtype == torch.float32 \
+            or x.device.type != "cuda" or _out_dtype_ok(torch.mm, x):
+        return backend
+    if not _TRITON_STATE.get("fused_warned"):
+        _TRITON_STATE["fused_warned"] = "1"
+        warnings.warn(f"fastrehearse.kernels: backend='triton-fused' with {x.dtype} needs an "
+                      f"fp32-output GEMM (torch.mm(..., out_dtype=torch.float32)), which this torch "
+                      f"({torch.__version__}) lacks; differentiated calls run as 'triton'")
+    return "triton"
+
+
 def check_fused_forward(backend: str, head) -> None:
     """backend='triton-fused' computes logits inside its tile kernel, which applies no LM-head
     bias or soft-cap (a lone positive logit scale is folded into 1/T and is fine)."""
     if backend == "triton-fused" and head is not None:
-        raise ValueError("backend='triton-fused' does not support an LM-head bias, logit_softcap "
-                         "or a negative logit_scale (its tile kernel applies none of them); use "
-                         "backend='triton'")
+        what = ("an LM-head bias" if head.bias is not None else
+                "logit_softcap" if head.softcap is not None else "a negative logit_scale")
+        raise ValueError(f"backend='triton-fused' does not support {what} (its tile kernel applies "
+                         f"no LM-head variant; a lone positive scale is folded into the "
+                         f"temperature); use backend='triton'")
 
 
 def chunk_rows(n: int, v: int, device: torch.device, chunk_size: int | None = None) -> int:
@@ -87,14 +106,15 @@ def chunk_rows(n: int, v: int, device: torch.device, chunk_size: int | None = No
 
 
 def fused_rows(n: int, v: int, dtype: torch.dtype, device: torch.device,
-               chunk_size: int | None = None) -> int:
+               chunk_size: int | None = None, budget_bytes: int | None = None) -> int:
     """Rows per launch of backend 'triton-fused' (_fused_lse.py): its per-row workspace is 4 fp32
     numbers per vocabulary tile (partials + merge; about 1/32 of an fp32 logits row), held to the
-    same byte budget as a logits chunk: ~16k rows per launch at V=128256 on CUDA."""
+    same byte budget as a logits chunk (or `budget_bytes`): all 16384 rows in one launch at
+    V=128256 on CUDA."""
     if chunk_size is not None:
         return chunk_rows(n, v, device, chunk_size)
     from ._fused_lse import partial_bytes_per_row    # imports triton: only for this backend
-    budget = CHUNK_BYTES_CUDA if device.type == "cuda" else CHUNK_BYTES_CPU
+    budget = budget_bytes or (CHUNK_BYTES_CUDA if device.type == "cuda" else CHUNK_BYTES_CPU)
     return max(1, min(max(n, 1), budget // partial_bytes_per_row(v, dtype, device)))
 
 

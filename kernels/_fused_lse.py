@@ -11,8 +11,8 @@ registers and reduces it per row to a partial, with the target column left out o
     A_k = sum_{j in tile k, j != t} exp(s_j - m_k) (s_j - m_k)       (with the entropy)
     s_t                                                             (written by the target's tile)
 
-and writes 2-3 fp32 numbers per row and tile ([N, V / BLOCK_N], 12 / BLOCK_N of the bytes of fp32
-logits: 1/43 at BLOCK_N = 128) instead of the tile. `fused_row_stats` merges them (torch, small):
+and writes 2 fp32 numbers per row and tile (3 with the entropy; [N, V / BLOCK_N] each: 3 / BLOCK_N
+of the bytes of fp32 logits, 1/43 at BLOCK_N = 128) instead of the tile. `fused_row_stats` merges them (torch, small):
 
     M = max_k m_k,  a_k = exp(m_k - M)
     S_off = sum_k a_k S_k                        A_off = sum_k a_k (A_k + S_k (m_k - M))
@@ -25,9 +25,12 @@ The backward recomputes logits blocks (the vocabulary-outer backward of the "tri
 gradient needs dZ for both GEMMs, so fusing only the forward saves the logits' HBM write + read
 and their memory, most of all for forward-only calls (old / reference log-probs in RL).
 
-fp32 inputs use an IEEE fp32 `tl.dot` (no TF32, as torch.mm without allow_tf32), bf16 / fp16 the
-tensor cores with an fp32 accumulator. Under TRITON_INTERPRET=1 bf16 operands are upcast to fp32
-first (exact): the interpreter multiplies bf16 storage bits as integers (triton issue 11584).
+fp32 inputs use an IEEE fp32 `tl.dot`, or TF32 when torch.backends.cuda.matmul.allow_tf32 is on
+(the precision torch.mm, hence the backward's recomputed logits, then has); bf16 / fp16 use the
+tensor cores with an fp32 accumulator (the backward's fp32-output GEMM; where torch has none,
+differentiated calls run as "triton": _common.fused_forward_backend). Under TRITON_INTERPRET=1 bf16
+operands are upcast to fp32 first (exact; a CPU-only fp32 copy of W per call): the interpreter
+multiplies bf16 storage bits as integers (triton issue 11584).
 """
 from __future__ import annotations
 
@@ -112,8 +115,12 @@ def fused_row_stats(x, w, t, inv_temp: float, with_entropy: bool):
     without forming it: the contract of `_rowmath.row_stats` on the logits x @ w.T."""
     c, h = x.shape
     v = w.shape[0]
+    if x.dtype != w.dtype:
+        raise ValueError(f"fused_row_stats: x is {x.dtype} but w is {w.dtype}")
+    x, w, t = x.contiguous(), w.contiguous(), t.long().contiguous()   # no-ops for the callers
     if x.device.type == "cpu" and x.dtype == torch.bfloat16:    # the interpreter's bf16 tl.dot
         x, w = x.float(), w.float()
+    tf32 = x.dtype != torch.float32 or (x.is_cuda and torch.backends.cuda.matmul.allow_tf32)
     bm, bn, bk, nw, ns = tile_config(x.dtype, x.device)
     nt = triton.cdiv(v, bn)
     pm = torch.empty(c, nt, device=x.device, dtype=torch.float32)
@@ -124,7 +131,7 @@ def fused_row_stats(x, w, t, inv_temp: float, with_entropy: bool):
         grid = (triton.cdiv(c, bm) * nt,)
         _lse_tile_kernel[grid](x, w, t, pm, ps, pa, st, c, v, h, x.stride(0), w.stride(0),
                                pm.stride(0), float(inv_temp), WITH_ENT=with_entropy,
-                               DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                               DOT_PRECISION="tf32" if tf32 else "ieee",
                                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M,
                                num_warps=nw, num_stages=ns)
     # the merge holds 4 [C, nt] fp32 arrays at most (pm, ps, pa and a): in place where it can

@@ -24,8 +24,9 @@ import torch
 
 from ._blocked import blocked_backward, blocked_stats
 from ._common import (addmm_f32_, check_fused_forward, check_linear_inputs, check_targets,
-                      check_temperature, check_workspace_bytes, chunk_rows, fused_rows,
-                      grad_dtype, mm_f32, resolve_backend, torch_block_rows, vocab_outer_plan)
+                      check_temperature, check_workspace_bytes, chunk_rows, fused_forward_backend,
+                      fused_rows, grad_dtype, mm_f32, resolve_backend, torch_block_rows,
+                      vocab_outer_plan)
 from ._head import build_head
 from ._rowmath import row_grad, row_stats, target_grad
 from ._vocab_outer import block_elem_bytes, vocab_outer_backward
@@ -219,6 +220,8 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
                                 1.0 / check_temperature(temperature))
     backend = resolve_backend(backend, hidden.device)
     check_fused_forward(backend, head)
+    backend = fused_forward_backend(backend, hidden, torch.is_grad_enabled() and (
+        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)))
     n, v = hidden.shape[0], weight.shape[0]
     rows = compact_rows(mask, n)
     x = hidden if rows is None else hidden.index_select(0, rows)

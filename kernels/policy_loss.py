@@ -668,7 +668,8 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
         # dZ anyway (6NHV in one sweep), so that sweep is the "triton" one
         plan.fused_fwd = backend == "triton-fused" and not grad
         if plan.fused_fwd:
-            plan.chunk = fused_rows(rows.numel(), v, weight.dtype, dev, chunk_size)
+            plan.chunk = fused_rows(rows.numel(), v, weight.dtype, dev, chunk_size,
+                                    budget_bytes=workspace_bytes)
         else:
             plan.chunk = _chunk_rows(rows.numel(), weight, head, plan.fast, grad, plan.need_dw,
                                      workspace_bytes, chunk_size, with_ent, dw_accum_dtype)

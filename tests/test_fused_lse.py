@@ -54,6 +54,7 @@ CASES = {
 def test_tile_stats_match_float64(case, temperature):
     n, h, v, kw = CASES[case]
     x, w, t = _inputs(n, h, v, seed=n * 131 + v, **kw)
+    t[0] = t[-1] = v - 1          # targets in the last (partial) vocabulary tile, first and last row
     inv = 1.0 / temperature
     got = fused_row_stats(x, w, t, inv, True)
     ref = _ref_stats(x, w, t, inv)
@@ -114,18 +115,34 @@ def test_forward_never_forms_the_logits(monkeypatch):
         linear_logprobs(x, w, t, backend="triton")
 
 
-def test_policy_loss_forward_only_matches_float64():
-    torch.manual_seed(0)
+@pytest.mark.parametrize("kl,entropy", [(0.0, 0.01), (0.05, 0.0)])
+def test_policy_loss_forward_only_matches_float64(kl, entropy):
+    """No gradient wanted: the sweep's stats come from the tile kernel. Loss vs the float64
+    token-by-token reference; per-token logp / entropy vs float64; metrics as the triton sweep."""
     n, h, v = 41, 24, 500
     x, w, t = _inputs(n, h, v, seed=7)
-    roles = torch.randint(0, 4, (n,))
-    adv, old = torch.randn(n), -torch.rand(n) * 5
-    cfg = PolicyLossConfig(entropy_coef=0.01)
+    g = torch.Generator().manual_seed(8)
+    roles = torch.randint(0, 4, (n,), generator=g)
+    adv, old = torch.randn(n, generator=g), -torch.rand(n, generator=g) * 5
+    ref_lp = -torch.rand(n, generator=g) * 5
+    cfg = PolicyLossConfig(entropy_coef=entropy, kl_coef=kl)
+    outs = {}
     with torch.no_grad():
-        out = linear_policy_loss(x, w, t, roles, adv, old, cfg, backend="triton-fused")
-    ref = ref_policy_loss(x, w, t, roles, adv, old, None, cfg)
-    ref_loss = ref[0] if isinstance(ref, tuple) else ref
+        for b in ("triton-fused", "triton"):
+            outs[b] = linear_policy_loss(x, w, t, roles, adv, old, cfg, backend=b,
+                                         ref_logp=ref_lp if kl else None, with_entropy=True)
+    out = outs["triton-fused"]
+    ref_loss = ref_policy_loss(x, w, t, roles, adv, old, ref_lp if kl else None, cfg)
     assert abs(float(out.loss) - float(ref_loss)) <= 1e-5 * max(1.0, abs(float(ref_loss)))
+    lp_ref, ent_ref = _ref_stats(x, w, t, 1.0)[:2]
+    on = (roles == 1) | (roles == 2)            # ACT / REHEARSE (CONTEXT, weight-0 OBSERVED: not)
+    assert float((out.logp.double() - lp_ref)[on].abs().max()) <= 1e-5
+    assert float((out.entropy.double() - ent_ref)[on].abs().max()) <= 1e-5
+    assert torch.all(out.logp[~on] == 0)
+    for role, m in out.metrics.items():
+        for k, val in m.items():
+            assert val == pytest.approx(outs["triton"].metrics[role][k], rel=1e-5, abs=1e-6), \
+                (role, k)
 
 
 def test_policy_loss_with_gradient_is_the_triton_sweep():
@@ -171,3 +188,27 @@ def test_cpu_without_interpreter_is_refused(monkeypatch):
     x, w, t = _inputs(3, 8, 20, seed=0)
     with pytest.raises(ValueError, match="backend='triton-fused' needs CUDA"):
         linear_logprobs(x, w, t, backend="triton-fused")
+
+
+def test_no_fp32_output_gemm_differentiated_calls_run_as_triton(monkeypatch):
+    """Where torch cannot return fp32 from a bf16 GEMM, the backward's recomputed logits are bf16:
+    a differentiated fused forward would save an lse that does not match them, so such calls run
+    as 'triton' (warned once); forward-only calls stay fused. (A stand-in CUDA tensor: only its
+    dtype and device are read.)"""
+    import types
+    import warnings
+
+    from fastrehearse.kernels import _common
+    x = types.SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda"))
+    monkeypatch.setattr(_common, "_out_dtype_ok", lambda fn, like: False)
+    monkeypatch.setitem(_common._TRITON_STATE, "fused_warned", "")
+    with pytest.warns(UserWarning, match="triton-fused.*out_dtype"):
+        assert _common.fused_forward_backend("triton-fused", x, True) == "triton"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                  # once only
+        assert _common.fused_forward_backend("triton-fused", x, True) == "triton"
+    assert _common.fused_forward_backend("triton-fused", x, False) == "triton-fused"
+    monkeypatch.setattr(_common, "_out_dtype_ok", lambda fn, like: True)
+    assert _common.fused_forward_backend("triton-fused", x, True) == "triton-fused"
+    x32 = types.SimpleNamespace(dtype=torch.float32, device=torch.device("cuda"))
+    assert _common.fused_forward_backend("triton-fused", x32, True) == "triton-fused"

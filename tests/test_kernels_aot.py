@@ -231,7 +231,7 @@ def recipe_vocab_outer(h: int, v: int) -> None:
 def recipe_fused_lse(h: int, v: int, dtype: torch.dtype = DTYPE) -> None:
     """backend='triton-fused' (kernels/_fused_lse.py): the tile kernel (tl.dot + log-sum-exp) as
     its forward launches it, rows per launch from the code's own budget (`fused_rows`), with and
-    without the entropy; bf16 here (tensor cores), fp32 (IEEE dot) in recipe_fused_lse_fp32."""
+    without the entropy; bf16 here (tensor cores), fp32 (IEEE dot) and fp16 in the two below."""
     from fastrehearse.kernels import _common
     try:
         from fastrehearse.kernels import _fused_lse
@@ -248,11 +248,17 @@ def recipe_fused_lse_fp32(h: int, v: int) -> None:
     recipe_fused_lse(h, v, torch.float32)
 
 
+def recipe_fused_lse_fp16(h: int, v: int) -> None:
+    recipe_fused_lse(h, v, torch.float16)
+
+
 recipe_fused_lse_fp32.dtype_label = "fp32"
+recipe_fused_lse_fp16.dtype_label = "fp16"
 
 
 # Every recipe runs for every shape; together they must launch every discovered kernel.
-RECIPES = [recipe_rows, recipe_head, recipe_vocab_outer, recipe_fused_lse, recipe_fused_lse_fp32]
+RECIPES = [recipe_rows, recipe_head, recipe_vocab_outer, recipe_fused_lse, recipe_fused_lse_fp32,
+           recipe_fused_lse_fp16]
 
 
 def record_launches(kernels) -> list[dict]:
