@@ -91,3 +91,20 @@ def test_presets_load(name):
     if not (CONFIGS / name).is_file():
         pytest.skip(f"{name} not written yet")
     load_config(CONFIGS / name)
+
+
+def test_kernel_backend(monkeypatch):
+    """model.kernel_backend: a choice of the kernels' backends; a Triton one on the CPU needs the
+    interpreter (refused before any work otherwise); it may change on resume."""
+    from fastrehearse.train.config import resume_changes, to_dict
+    with pytest.raises(ConfigError, match=r"'model.kernel_backend' = 'cuda' is not one of "
+                                          r"\['auto', 'torch', 'triton', 'triton-fused'\]"):
+        load_config(None, ["model.kernel_backend=cuda"])
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ConfigError, match=r"'model.kernel_backend' = 'triton-fused' needs CUDA"):
+        load_config(None, ["model.kernel_backend=triton-fused", "device=cpu"])
+    assert load_config(None, ["model.kernel_backend=torch", "device=cpu"]).model.kernel_backend == "torch"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = load_config(None, ["model.kernel_backend=triton-fused", "device=cpu"])
+    allowed, forbidden = resume_changes(to_dict(TrainConfig()), to_dict(cfg))
+    assert [k for k, *_ in allowed] == ["device", "model.kernel_backend"] and not forbidden

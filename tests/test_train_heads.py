@@ -41,3 +41,37 @@ def test_trainer_heads_use_the_model_head(name):
     out.loss.backward()     # on-policy ratio 1: loss = -mean(A) over ACT tokens, gradient flows
     assert torch.isfinite(out.loss)
     assert model.get_output_embeddings().weight.grad is not None
+
+
+def test_triton_fused_kernel_backend():
+    """model.kernel_backend='triton-fused': the old / reference log-probs come from the tile kernel
+    (Triton interpreter here) and equal the model's own forward; a head it cannot apply (an
+    lm_head bias) is refused when the model is known, naming the key."""
+    from fastrehearse.train.config import ConfigError
+    from fastrehearse.train.loop import check_kernel_backend
+    cfg = TrainConfig()
+    cfg.model.kernel_backend = "triton-fused"
+    model = _prepare("cohere")                      # a positive logit scale: folded into 1/T
+    check_kernel_backend(cfg, model)
+    ids = torch.randint(3, VOCAB, (25,), generator=torch.Generator().manual_seed(7)).tolist()
+    batch = build_packed_batch([Episode(input_ids=ids, roles=[1] * 25, task_id="t")], [0])
+    keep = batch.roles != 0
+    ref = _eager_reference(model, torch.tensor(ids))
+    use_varlen_attention(model)
+    lp = compute_logprobs(RehearsalModel(model), [batch], cfg)[0]
+    assert float((lp[keep].double() - ref).abs().max()) <= 1e-5
+    # the RL loss (a gradient: its sweep runs as "triton") -- the same gradient as with "triton"
+    counts = torch.zeros(4, dtype=torch.float64)
+    counts[1] = float(keep.sum())
+    batch.advantages = torch.linspace(-1, 1, batch.num_tokens)
+    batch.old_logp, batch.ref_logp = lp.clone(), None
+    grads = {}
+    for backend in ("triton", "triton-fused"):
+        cfg.model.kernel_backend = backend
+        model.zero_grad()
+        RehearsalModel(model)(batch, _rl_head(cfg, batch, counts, None)).loss.backward()
+        grads[backend] = model.get_output_embeddings().weight.grad.clone()
+    assert torch.equal(grads["triton"], grads["triton-fused"])
+    cfg.model.kernel_backend = "triton-fused"
+    with pytest.raises(ConfigError, match=r"'model.kernel_backend' = 'triton-fused'.*LM-head bias"):
+        check_kernel_backend(cfg, _prepare("qwen2_bias"))

@@ -45,6 +45,11 @@ class ModelConfig:
     # auto: bf16 params / fp32 gradient reduction on CUDA, fp32 everywhere on CPU.
     precision: str = "auto"
     activation_checkpointing: bool = False
+    # fastrehearse.kernels backend of every LM-head call (RL loss, SFT CE, old / reference
+    # log-probs): auto (triton on CUDA, torch on CPU) | torch | triton | triton-fused (the no-grad
+    # old / reference log-probs through the tl.dot + log-sum-exp tile kernel; not with an LM-head
+    # bias or soft-cap). May change on resume (same math, different kernels).
+    kernel_backend: str = "auto"
     # Sizes of a tiny-* model (fastrehearse.model.TinyModelOptions); other specs take none.
     options: TinyModelOptions = field(default_factory=TinyModelOptions)
 
@@ -358,6 +363,18 @@ def validate(cfg: TrainConfig, explicit: set | frozenset = frozenset()) -> Train
     if cfg.algo.loss.kl_type == "low_var_kl":
         cfg.algo.loss.kl_type = "k3"
     choice("model.precision", cfg.model.precision, PRECISIONS)
+    from fastrehearse.kernels._common import BACKENDS as KERNEL_BACKENDS, triton_missing
+    choice("model.kernel_backend", cfg.model.kernel_backend, KERNEL_BACKENDS)
+    if cfg.model.kernel_backend in ("triton", "triton-fused"):
+        import torch
+        on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+        if on_cpu and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            raise ConfigError(f"config key 'model.kernel_backend' = {cfg.model.kernel_backend!r} "
+                              f"needs CUDA (this run is on the CPU; TRITON_INTERPRET=1 runs the "
+                              f"Triton kernels there, slowly): use 'auto' or 'torch'")
+        if triton_missing() is not None:
+            raise ConfigError(f"config key 'model.kernel_backend' = {cfg.model.kernel_backend!r} "
+                              f"needs the triton package ({triton_missing()})")
     choice("device", cfg.device, ("auto", "cpu", "cuda"))
     for key in ("rollout.group_size", "rollout.tasks_per_step", "rollout.max_new_tokens",
                 "rollout.max_turns", "rollout.max_episode_tokens", "max_tokens",
@@ -512,7 +529,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
 # step and are announced. Everything else (model, shapes, seed, data, rollout, loss, SFT layout)
 # must match the checkpoint's config, or the resumed run would not be the run it claims to be.
 RESUME_MAY_CHANGE = ("steps", "run_dir", "device", "max_tokens", "max_consecutive_skips",
-                     "model.activation_checkpointing", "optim.", "sft.lr", "sft.warmup_steps",
+                     "model.activation_checkpointing", "model.kernel_backend", "optim.", "sft.lr", "sft.warmup_steps",
                      "checkpoint.", "log.", "eval.")
 
 

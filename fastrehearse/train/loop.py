@@ -291,6 +291,7 @@ def setup(cfg: TrainConfig, info: DistInfo) -> Run:
         gen_model = hf_model
 
     from fastrehearse.model import RehearsalModel
+    check_kernel_backend(cfg, hf_model)
     policy = RehearsalModel(hf_model)
     policy = parallelize(policy, info, precision=cfg.model.precision,
                          activation_checkpointing=cfg.model.activation_checkpointing)
@@ -315,6 +316,24 @@ def setup(cfg: TrainConfig, info: DistInfo) -> Run:
     return Run(cfg, info, policy, hf_model, gen_model, ref, tokenizer, suite, train_tasks, eval_tasks,
                optimizer, scheduler, TrainState(), logger,
                config_text=yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def check_kernel_backend(cfg: TrainConfig, hf_model) -> None:
+    """model.kernel_backend 'triton-fused' cannot apply an LM-head bias or soft-cap: refused once
+    the model's head is known, before any rollout (a ConfigError naming the key and the head)."""
+    if cfg.model.kernel_backend != "triton-fused":
+        return
+    from fastrehearse.kernels._common import check_fused_forward
+    from fastrehearse.kernels._head import build_head
+    from fastrehearse.model import head_kwargs
+    kw = head_kwargs(hf_model)
+    head, _ = build_head(kw.get("bias"), kw.get("logit_softcap"), kw.get("logit_scale"),
+                         hf_model.get_output_embeddings().weight, 1.0)
+    try:
+        check_fused_forward("triton-fused", head)
+    except ValueError as e:
+        raise ConfigError(f"config key 'model.kernel_backend' = 'triton-fused' with model "
+                          f"{cfg.model.spec!r}: {e}") from None
 
 
 def build_tasks(cfg: TrainConfig):
@@ -576,7 +595,7 @@ def _rl_head(cfg: TrainConfig, b, token_counts, w):
     pcfg = cfg.algo.loss
 
     def head(hidden, weight, **head_kw):   # head_kw: the model's LM-head settings (bias, soft-cap, scale)
-        kw = {"ref_logp": b.ref_logp, **head_kw}
+        kw = {"ref_logp": b.ref_logp, "backend": cfg.model.kernel_backend, **head_kw}
         if w is None:
             kw["normalizers"] = token_counts.to(hidden.device)
         else:
@@ -604,7 +623,8 @@ def _sft_head(cfg: TrainConfig, b, token_counts):
 
     def head(hidden, weight, **head_kw):
         mask = scale.to(b.roles.device)[b.roles] > 0
-        logp, _ = linear_logprobs(hidden, weight, b.targets, mask=mask, **head_kw)
+        logp, _ = linear_logprobs(hidden, weight, b.targets, mask=mask,
+                                  backend=cfg.model.kernel_backend, **head_kw)
         c = scale.to(hidden.device, torch.float32)[b.roles]
         return _CE(loss=-(logp * c).sum(), logp=logp.detach(), roles=b.roles)
     return head
@@ -638,7 +658,8 @@ def compute_logprobs(module: nn.Module, batches, cfg: TrainConfig) -> list[torch
     out = []
     for b in batches:
         out.append(module(b, lambda h, w, **head_kw: linear_logprobs(
-            h, w, b.targets, mask=b.roles != 0, temperature=temp, **head_kw)[0]).float())
+            h, w, b.targets, mask=b.roles != 0, temperature=temp,
+            backend=cfg.model.kernel_backend, **head_kw)[0]).float())
     return out
 
 
