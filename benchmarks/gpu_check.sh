@@ -9,7 +9,7 @@
 #   PIP_INSTALL=1 ...                                   # editable install instead of the shim
 #
 # Order (most valuable first; a step that would start with < 20 s of budget left is skipped):
-#   1. gpu_microbench.py    per-piece times vs roofline, num_warps sweep (docs/gpu.md)
+#   1. gpu_microbench.py    per-piece times vs roofline, num_warps sweep, triton-fused tile sweep
 #   2. pytest               tests/test_kernels_cuda.py + tests/test_model.py -k cuda
 #   3. bench_logprobs       H=4096 V=128256 N=16384 bf16, unmasked 1.0 / 0.25 (compile: 1.0 only)
 #   4. bench_policy_loss    same shape, fused / unfused (triton)
@@ -114,7 +114,7 @@ EOF
 fi
 
 # ---- 2. steps -----------------------------------------------------------------------------------
-step "gpu_microbench" 100 $PY benchmarks/gpu_microbench.py $MB_ARGS \
+step "gpu_microbench" 130 $PY benchmarks/gpu_microbench.py $MB_ARGS \
   --json "$OUT/gpu_microbench_gpu.json"
 
 step "pytest cuda" 120 $PY -m pytest -q -x -p no:cacheprovider tests/test_kernels_cuda.py \

@@ -10,7 +10,9 @@ block sizes are the code's), the dX GEMM and the dW addmm into the fp32 V x H ac
 loss); one block of linear_logprobs' vocabulary-outer backward (Z_b GEMM, row kernel, fp32 dX
 accumulator addmm, dW_b GEMM) at the code's own block plan; then the whole fwd+bwd of
 `linear_logprobs` at workspace budgets of 512 MiB / default (1 GiB) / 1.5 GiB and of the fused
-`linear_policy_loss` at chunk budgets of 256 MiB (the default) and 1 GiB.
+`linear_policy_loss` at chunk budgets of 256 MiB (the default) and 1 GiB; last, the forward of
+`linear_logprobs` as "triton" and as "triton-fused" (the tl.dot + LSE tile kernel) over all rows,
+the latter at six tile configs.
 Every row prints the measured time, the roofline floor at the *measured* matmul rate and copy
 bandwidth (taken first), and benchmarks/roofline.py's prediction for the same piece at the
 stated H200 numbers. Also reports whether the fp32-output (`out_dtype`) GEMMs were used.
@@ -211,9 +213,43 @@ def main(argv=None):
         label = "default" if ws is None else f"{ws >> 20} MiB"
         record_step(f"linear_policy_loss fused fwd+bwd, workspace {label} ({rows_c} rows)", pl_step,
                     roofline.ours_fused_loss(a.n, a.h, a.v, "budgeted", None, fused_budget=ws))
+    fused_forward(a, x, w, t, dev, cuda, row)
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path}")
     return 0
+
+
+# Tile configs swept for backend="triton-fused" on CUDA: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages);
+# the first is the code's default (kernels/_fused_lse.py).
+FUSED_TILES = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4),
+               (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (256, 128, 64, 8, 3)]
+
+
+def fused_forward(a, x, w, t, dev, cuda, row):
+    """The forward of linear_logprobs both ways over all N rows, with the entropy: "triton" (fp32
+    logits chunks + _row_stats_kernel) and "triton-fused" (tl.dot + LSE tiles, torch merge), then
+    the fused kernel's tile sweep. The question for the fused backend: does its tl.dot reach the
+    cuBLAS rate (floor = 2NHV at the measured rate)?"""
+    from fastrehearse.kernels import _fused_lse
+    from fastrehearse.kernels.linear_logprobs import _row_chunked_stats
+    c = kc.chunk_rows(a.n, a.v, dev)
+    cf = kc.fused_rows(a.n, a.v, x.dtype, dev)
+    flops = roofline.Piece("", 2.0 * a.n * a.h * a.v, 0.0)
+    row(f"[N={a.n}] forward 'triton' ({c}-row chunks, entropy)",
+        bench_ms(lambda: _row_chunked_stats(x, w, t, 1.0, True, "triton", c), dev), flops)
+    tiles = FUSED_TILES if cuda else [_fused_lse.tile_config(x.dtype, dev)]
+    default = dict(_fused_lse._CUDA_TILES)
+    for tile in tiles:
+        try:
+            if cuda:
+                _fused_lse._CUDA_TILES[x.dtype] = tile
+            ms = bench_ms(lambda: _row_chunked_stats(x, w, t, 1.0, True, "triton-fused", cf), dev)
+            row(f"[N={a.n}] forward 'triton-fused' tile {tile} ({cf} rows per launch)", ms, flops)
+        except Exception as e:        # e.g. out of shared memory for a large tile: say so, go on
+            print(f"tile {tile}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        finally:
+            _fused_lse._CUDA_TILES.clear()
+            _fused_lse._CUDA_TILES.update(default)
 
 
 if __name__ == "__main__":
