@@ -133,3 +133,22 @@ def test_patch_verl_routes_verl_model_forward():
     assert tri.log_probs.shape == (18,) and ref.log_probs.shape == (2, 9)
     torch.testing.assert_close(tri.log_probs, ref.log_probs.reshape(-1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(tri.entropy, ref.entropy.reshape(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_patch_verl_backend():
+    """patch_verl(backend=...) sets the kernels' backend of every routed call: 'triton-fused'
+    (the Triton interpreter here) gives verl's torch-backend numbers; a bad name is refused."""
+    hidden, weight, labels = _inputs((3, 7), 24, 97, seed=3)
+    lp_ref, ent_ref = _verl_reference(hidden, weight, labels, 0.9)
+    try:
+        fr_verl.patch_verl(backend="triton-fused")
+        with torch.no_grad():
+            lp, ent = fr_verl.linear_cross_entropy(hidden, weight, labels, 0.9, "none")
+        torch.testing.assert_close(lp, lp_ref.reshape(-1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent, ent_ref.reshape(-1), rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="backend must be one of"):
+            fr_verl.patch_verl(backend="cuda")
+        assert fr_verl._STATE["backend"] == "triton-fused"          # a refused call changes nothing
+    finally:
+        fr_verl.patch_verl()
+    assert fr_verl._STATE["backend"] == "auto"

@@ -2,6 +2,7 @@
 
     from fastrehearse.integrations.verl import patch_verl
     patch_verl()     # in every process that runs the actor (e.g. a Ray worker_process_setup_hook)
+    patch_verl(backend="triton-fused")   # old / reference log-probs through the fused tile kernel
 
 verl (0.9.x) calls `linear_cross_entropy(hidden, weight, labels, temperature, reduction)` from its
 fused model forwards (`use_fused_kernels=True` with `fused_kernel_options.impl_backend=triton`),
@@ -19,11 +20,13 @@ import sys
 import torch
 
 from fastrehearse.kernels import linear_logprobs
+from fastrehearse.kernels._common import BACKENDS
 
 __all__ = ["linear_cross_entropy", "patch_verl"]
 
 _REDUCTIONS = ("none", "sum", "mean")
 VERL_MODULE = "verl.utils.kernel.linear_cross_entropy"
+_STATE = {"backend": "auto"}     # set by patch_verl(backend=...)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -51,7 +54,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          f"{tuple(hidden.shape)} (one label per hidden row)")
     if x.dtype != weight.dtype:  # autocast / mixed precision: score at the head's precision
         x = x.to(weight.dtype)
-    logp, ent = linear_logprobs(x, weight, t, temperature=temperature, with_entropy=True)
+    logp, ent = linear_logprobs(x, weight, t, temperature=temperature, with_entropy=True,
+                                backend=_STATE["backend"])
     red = reduction.lower()
     if red == "sum":
         logp = logp.sum()
@@ -60,11 +64,17 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     return logp, ent
 
 
-def patch_verl() -> list[str]:
+def patch_verl(backend: str = "auto") -> list[str]:
     """Route verl's fused linear cross-entropy through fastrehearse; returns the patched modules.
 
-    Idempotent. Modules that import the function later get the patched one from verl's module.
+    backend: the fastrehearse.kernels backend of every call ("auto": triton on CUDA, torch on
+    CPU; "triton-fused": verl's no-grad `compute_log_prob` passes skip the logits in memory, the
+    update runs as "triton"). Idempotent (a second call may change the backend). Modules that
+    import the function later get the patched one from verl's module.
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"patch_verl: backend must be one of {BACKENDS}, got {backend!r}")
+    _STATE["backend"] = backend
     mod = importlib.import_module(VERL_MODULE)
     original = getattr(mod, "_fastrehearse_original", mod.linear_cross_entropy)
     mod._fastrehearse_original = original
