@@ -22,6 +22,7 @@ from typing import Any
 
 from fastrehearse.eval import aggregate, report, suites
 from fastrehearse.eval.drift import DriftEnv, DriftSpec
+from fastrehearse.eval.rehearsal import DEFAULT_PREFIX_CACHE_BYTES
 from fastrehearse.eval.rehearsal import FORMS as REHEARSAL_FORMS, MODES as REHEARSAL_MODES
 from fastrehearse.eval.results import ResultStore, per_category
 from fastrehearse.eval.runner import EvalSettings, evaluate_items, fidelity_pending
@@ -66,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="committed turns (0 = greedy)")
     p.add_argument("--rehearsal-temperature", type=float, default=0.7,
                    help="private rehearsal drafts (sampled, so parallel drafts differ)")
+    p.add_argument("--rehearsal-cache-gib", type=float, default=DEFAULT_PREFIX_CACHE_BYTES / 2**30,
+                   help="prefix KV cache shared by the private rehearsals, so a turn's drafts prefill "
+                        "the context once and the next turn only its new tokens (0 = off: re-prefill)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
@@ -108,7 +112,8 @@ def load(args: argparse.Namespace, loaded=None):
         return model, tok, RehearsalPolicy(
             model, tok, args.rehearsal_budget, form=args.rehearsal_commit, mode=args.rehearsal_mode,
             horizon=args.rehearsal_horizon, temperature=args.rehearsal_temperature,
-            max_new_tokens=args.max_new_tokens, max_episode_tokens=args.max_episode_tokens)
+            max_new_tokens=args.max_new_tokens, max_episode_tokens=args.max_episode_tokens,
+            prefix_cache_bytes=int(args.rehearsal_cache_gib * 2**30))
     from fastrehearse.rollout.policy import ModelPolicy
     return model, tok, ModelPolicy()
 
@@ -144,7 +149,8 @@ def summarize(args: argparse.Namespace, store: ResultStore, keys_in_order: list[
     res["n"] = n                       # scored items
     res["errors"] = len(errors)        # items that could not run (not scored; a rerun retries them)
     res["rehearsal"] = {"budget": args.rehearsal_budget, "mode": args.rehearsal_mode,
-                        "horizon": args.rehearsal_horizon, "commit": args.rehearsal_commit}
+                        "horizon": args.rehearsal_horizon, "commit": args.rehearsal_commit,
+                        "prefix_cache_gib": args.rehearsal_cache_gib}
     res["drift"] = drift.describe() if drift else None
     # written after the fidelity pass ended: a results.json without it predates that pass
     res["fidelity_measured"] = args.policy != "gold" and (args.measure_fidelity or drift is not None)
@@ -200,7 +206,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--rehearsal-budget must be >= 0, got {args.rehearsal_budget}")
     if args.policy == "gold" and args.rehearsal_budget:
         raise UsageError("--rehearsal-budget needs a model policy (gold replays ground truth)")
-    for name in ("temperature", "rehearsal_temperature"):
+    for name in ("temperature", "rehearsal_temperature", "rehearsal_cache_gib"):
         if not getattr(args, name) >= 0:     # NaN fails too
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.time_limit_s is not None and not args.time_limit_s > 0:

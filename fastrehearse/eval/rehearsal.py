@@ -22,6 +22,11 @@ Two forms of using them (`form`):
           to the greedy turn, so `select` changes a turn only when rehearsal foresees a failure of
           the greedy one and a draft without it.
 
+Prefill: the private engines share one `PrefixCache` (fastrehearse/rollout/prefix_cache.py,
+`prefix_cache_bytes`, 0 = off): the drafts of a turn prefill the committed context once, and the
+next turn's rehearsals only the tokens added since. Without it every draft, the greedy candidate
+and every assessment re-prefilled the whole context (on BFCL multi-turn ~7.4k tokens each).
+
 Cost: every token sampled privately (drafts, predicted responses, assessments, the select-mode
 greedy candidate) is counted per committed turn in `Turn.info["rehearsal_tokens"]`, apart from the
 committed turn's tokens; the eval stores it as `rehearsal_tokens` per item.
@@ -33,6 +38,8 @@ import json
 from dataclasses import dataclass, field, replace
 
 from fastrehearse.kernels.roles import Role
+from fastrehearse.rollout.backend import HFGenerator
+from fastrehearse.rollout.prefix_cache import PrefixCache
 from fastrehearse.rollout.engine import Prompt, RolloutConfig, RolloutEngine
 from fastrehearse.rollout.policy import ModelPolicy, Turn, TurnRequest
 from fastrehearse.rollout.template import assistant_text
@@ -42,6 +49,7 @@ FORMS = ("memory", "select")
 MEMORY_HEAD = ("[Rehearsal memory: private, simulated by me, nothing was executed; the real tools may "
                "answer differently.]")
 MEMORY_TAIL = "[End of rehearsal memory.]"
+DEFAULT_PREFIX_CACHE_BYTES = 4 << 30   # per GiB: ~23k tokens of SmolLM2-135M fp32 KV, ~7k of Qwen3-8B bf16
 ASSESS_PROMPT = ("In one or two sentences: did this rehearsed step work, and what should the real next "
                  "step do?")
 
@@ -64,7 +72,7 @@ class RehearsalPolicy:
     def __init__(self, model, tokenizer, budget: int, *, form: str = "memory", mode: str = "parallel",
                  horizon: int = 1, temperature: float = 0.7, max_new_tokens: int = 256,
                  max_episode_tokens: int | None = None, assess_tokens: int = 48, memory_chars: int = 240,
-                 base=None, draft=None):
+                 base=None, draft=None, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES):
         if budget < 0:
             raise ValueError(f"rehearsal budget must be >= 0, got {budget}")
         if mode not in MODES:
@@ -79,18 +87,39 @@ class RehearsalPolicy:
         self.memory_chars = memory_chars
         self.base = base or ModelPolicy()
         self.draft = draft or ModelPolicy()
+        if not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0:
+            raise ValueError(f"rehearsal prefix_cache_bytes must be an int >= 0, got {prefix_cache_bytes!r}")
+        # One store for all private engines; assessments (prompts that end in a private question,
+        # never extended later) read it but do not fill it.
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes and model is not None else None
         ctx = max_episode_tokens or int(getattr(getattr(model, "config", None), "max_position_embeddings",
                                                 None) or 8192)
 
-        def engine(temp: float, turns: int, new_tokens: int) -> RolloutEngine:
-            return RolloutEngine(model, tokenizer, RolloutConfig(
+        self._model = model
+
+        def engine(temp: float, turns: int, new_tokens: int, writes: bool = True) -> RolloutEngine:
+            e = RolloutEngine(model, tokenizer, RolloutConfig(
                 mode="rehearse", temperature=temp, max_new_tokens=new_tokens, max_turns=turns,
                 max_episode_tokens=ctx, malformed_reward=None))
+            if self.prefix_cache is not None:
+                e.backend_factory = self.backend_factory(e, writes=writes)
+            return e
         self.drafts = engine(temperature, horizon, max_new_tokens)      # private drafts
         self.greedy = engine(0.0, 1, max_new_tokens)                    # select: the committed candidate
-        self.assess = engine(0.0, 1, assess_tokens)                     # memory: self-assessments
+        self.assess = engine(0.0, 1, assess_tokens, writes=False)       # memory: self-assessments
         self.template = self.drafts.template
         self.selected_drafts = 0      # select: committed turns taken from a draft
+
+    def backend_factory(self, engine: RolloutEngine, *, writes: bool = False):
+        """Generators for `engine` over this policy's prefix cache (None without one). The
+        evaluation's committed engine takes one (read-only): its first prefill of an item is the
+        context the first rehearsal of that item has just stored."""
+        if self.prefix_cache is None:
+            return None
+        tok = engine.template.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        model, cache = self._model, self.prefix_cache
+        return lambda: HFGenerator(model, pad_id=pad, prefix_cache=cache, cache_writes=writes)
 
     # -- engine token-source interface ----------------------------------------------------------
     def begin_turns(self, requests: list[TurnRequest]) -> list[Turn | None]:

@@ -44,10 +44,12 @@ def context_length(model) -> int:
     return int(getattr(getattr(model, "config", None), "max_position_embeddings", None) or 8192)
 
 
-def eval_engine(model, tokenizer, s: EvalSettings, *, mode: str | None = None, measure_fidelity: bool = False):
+def eval_engine(model, tokenizer, s: EvalSettings, *, mode: str | None = None, measure_fidelity: bool = False,
+                policy=None):
     """The rollout engine an evaluation runs on. An episode's score is the benchmark's own
     (`malformed_reward=None`: a malformed call is fed back as an error and graded by the checker,
-    never overridden)."""
+    never overridden). With a test-time rehearsal `policy` that keeps a prefix cache, the engine
+    reads it (an item's first prefill is the context its first rehearsal already stored)."""
     from fastrehearse.rollout.engine import RolloutConfig, RolloutEngine
 
     cfg = RolloutConfig(
@@ -55,7 +57,12 @@ def eval_engine(model, tokenizer, s: EvalSettings, *, mode: str | None = None, m
         max_new_tokens=s.max_new_tokens, max_turns=s.max_turns,
         max_episode_tokens=s.max_episode_tokens or context_length(model),
         malformed_reward=None, max_batch_size=s.batch_size, **(s.engine_options or {}))
-    return RolloutEngine(model, tokenizer, cfg)
+    engine = RolloutEngine(model, tokenizer, cfg)
+    shared = getattr(policy, "backend_factory", None)
+    factory = shared(engine) if callable(shared) and model is not None else None
+    if factory is not None:
+        engine.backend_factory = factory
+    return engine
 
 
 def evaluate_items(items: list[tuple[str, Task]], make_env: Callable[[str], ToolEnv], model, tokenizer,
@@ -71,7 +78,7 @@ def evaluate_items(items: list[tuple[str, Task]], make_env: Callable[[str], Tool
         groups.setdefault(max_turns_for(c) if max_turns_for else s.max_turns, []).append((c, t))
     for turns, group in groups.items():
         st = replace(s, max_turns=turns)
-        done = run_items(group, make_env, eval_engine(model, tokenizer, st), policy, store, hcfg,
+        done = run_items(group, make_env, eval_engine(model, tokenizer, st, policy=policy), policy, store, hcfg,
                          seed=s.seed, on_item=None if s.fidelity else on_item)
         if s.fidelity:
             _add_fidelity(group, make_env, model, tokenizer, policy, store, st, hcfg)

@@ -645,6 +645,7 @@ class RolloutEngine:
         stats["prefill_tokens"] += sum(map(len, prompts))
         stats["forward_calls"] += 1
         logits = gen.start(prompts)
+        stats["prefill_reused_tokens"] += getattr(gen, "reused_tokens", 0)
         self._sample(rows, logits, stats)
         live = rows
         while True:
@@ -726,7 +727,9 @@ class RolloutEngine:
             # all tokens through the model (prefill + decode) and sampled tokens, per second
             "tokens_per_s": total / wall if wall > 0 else 0.0,
             "decode_tokens_per_s": stats["decode_tokens"] / wall if wall > 0 else 0.0,
-            "prefill_tokens": stats["prefill_tokens"],   # prompt + forced tokens fed to the model
+            "prefill_tokens": stats["prefill_tokens"],   # prompt + forced tokens of the rows
+            # ... of which not computed: a duplicate row's prompt, or a prefix from a PrefixCache
+            "prefill_reused_tokens": stats["prefill_reused_tokens"],
             "decode_tokens": stats["decode_tokens"],     # tokens sampled by the model
             "forward_calls": stats["forward_calls"],
             "token_slot_efficiency": (stats["fed_tokens"] / stats["token_slots"]) if stats["token_slots"] else 1.0,
