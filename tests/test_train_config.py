@@ -101,8 +101,16 @@ def test_kernel_backend(monkeypatch):
                                           r"\['auto', 'torch', 'triton', 'triton-fused'\]"):
         load_config(None, ["model.kernel_backend=cuda"])
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ConfigError, match=r"'model.kernel_backend' = 'triton-fused' needs CUDA"):
+    with pytest.raises(ConfigError, match=r"'model.kernel_backend' = 'triton-fused': .*needs CUDA tensors "
+                                          r"or TRITON_INTERPRET=1.*\(this run is on the CPU\)"):
         load_config(None, ["model.kernel_backend=triton-fused", "device=cpu"])
+    import fastrehearse.kernels._common as kc
+    with monkeypatch.context() as m:
+        m.setenv("TRITON_INTERPRET", "1")
+        m.setattr(kc, "triton_missing", lambda: "No module named 'triton'")
+        with pytest.raises(ConfigError, match=r"'model.kernel_backend' = 'triton': .*needs the triton "
+                                              r"package \(No module named 'triton'\)"):
+            load_config(None, ["model.kernel_backend=triton", "device=cpu"])
     assert load_config(None, ["model.kernel_backend=torch", "device=cpu"]).model.kernel_backend == "torch"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     cfg = load_config(None, ["model.kernel_backend=triton-fused", "device=cpu"])

@@ -363,18 +363,18 @@ def validate(cfg: TrainConfig, explicit: set | frozenset = frozenset()) -> Train
     if cfg.algo.loss.kl_type == "low_var_kl":
         cfg.algo.loss.kl_type = "k3"
     choice("model.precision", cfg.model.precision, PRECISIONS)
-    from fastrehearse.kernels._common import BACKENDS as KERNEL_BACKENDS, triton_missing
+    from fastrehearse.kernels._common import BACKENDS as KERNEL_BACKENDS
     choice("model.kernel_backend", cfg.model.kernel_backend, KERNEL_BACKENDS)
     if cfg.model.kernel_backend in ("triton", "triton-fused"):
         import torch
+
+        from fastrehearse.kernels._common import resolve_backend
         on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-        if on_cpu and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-            raise ConfigError(f"config key 'model.kernel_backend' = {cfg.model.kernel_backend!r} "
-                              f"needs CUDA (this run is on the CPU; TRITON_INTERPRET=1 runs the "
-                              f"Triton kernels there, slowly): use 'auto' or 'torch'")
-        if triton_missing() is not None:
-            raise ConfigError(f"config key 'model.kernel_backend' = {cfg.model.kernel_backend!r} "
-                              f"needs the triton package ({triton_missing()})")
+        try:   # the kernels' own check (CUDA or TRITON_INTERPRET=1; triton importable), before any work
+            resolve_backend(cfg.model.kernel_backend, torch.device("cpu" if on_cpu else "cuda"))
+        except ValueError as e:
+            raise ConfigError(f"config key 'model.kernel_backend' = {cfg.model.kernel_backend!r}: {e}"
+                              + (" (this run is on the CPU)" if on_cpu else "")) from None
     choice("device", cfg.device, ("auto", "cpu", "cuda"))
     for key in ("rollout.group_size", "rollout.tasks_per_step", "rollout.max_new_tokens",
                 "rollout.max_turns", "rollout.max_episode_tokens", "max_tokens",
