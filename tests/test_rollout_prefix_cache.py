@@ -197,3 +197,16 @@ def test_grpo_group_prompts_are_prefilled_once(tiny_tok):
     assert eps[True].metrics["prefill_reused_tokens"] == sum(2 * n for n in first)
     assert eps[False].metrics["prefill_reused_tokens"] == 0
     assert [e.input_ids for e in eps[True].episodes] == [e.input_ids for e in eps[False].episodes]
+
+
+def test_bench_rehearsal_cache_refuses_bad_arguments():
+    """The side-by-side benchmark checks its arguments before loading a model or a benchmark."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_rehearsal_cache.py"
+    for argv, msg in ((["--variants", "fast"], "--variants: unknown ['fast']"),
+                      (["--rounds", "0"], "--rounds must be >= 1")):
+        r = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and msg in r.stderr, r.stderr[-500:]
+        assert "Traceback" not in r.stderr
