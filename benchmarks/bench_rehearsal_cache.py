@@ -33,7 +33,6 @@ from _common import RESULTS, hardware, print_table, write_json  # noqa: E402
 from fastrehearse.eval import suites  # noqa: E402
 from fastrehearse.eval.rehearsal import DEFAULT_PREFIX_CACHE_BYTES, RehearsalPolicy  # noqa: E402
 from fastrehearse.eval.runner import EvalSettings, eval_engine  # noqa: E402
-from fastrehearse.rollout.backend import HFGenerator  # noqa: E402
 
 # name -> (prefix cache bytes, prefill duplicate prompts once)
 VARIANTS = {"re-prefill (before)": (0, False), "dedupe only": (0, True),
@@ -46,21 +45,28 @@ def default_policy() -> str:
 
 
 def counting_policy(model, tok, a, cache_bytes: int, dedupe: bool) -> tuple[RehearsalPolicy, list[int]]:
-    """The policy with its private engines' generators counting the tokens they prefill."""
+    """The policy as built, its private engines' generators (the policy's own) set to `dedupe` and
+    counting the tokens they prefill."""
     pol = RehearsalPolicy(model, tok, a.budget, form=a.commit, mode=a.mode, max_new_tokens=a.max_new_tokens,
                           prefix_cache_bytes=cache_bytes)
     fed = [0]
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
 
-    class Counting(HFGenerator):
-        def start(self, prompts):
-            out = super().start(prompts)
-            fed[0] += sum(map(len, prompts)) - self.reused_tokens
-            return out
+    def counting(factory):
+        def make():
+            g = factory()
+            g.dedupe = dedupe
+            start = g.start
 
-    for eng, writes in ((pol.drafts, True), (pol.greedy, True), (pol.assess, False)):
-        eng.backend_factory = (lambda w=writes: Counting(model, pad_id=pad, prefix_cache=pol.prefix_cache,
-                                                         cache_writes=w, dedupe=dedupe))
+            def counted(prompts):
+                out = start(prompts)
+                fed[0] += sum(map(len, prompts)) - g.reused_tokens
+                return out
+            g.start = counted
+            return g
+        return make
+
+    for eng in (pol.drafts, pol.greedy, pol.assess):
+        eng.backend_factory = counting(eng.backend_factory)
     return pol, fed
 
 

@@ -189,8 +189,7 @@ def test_grpo_group_prompts_are_prefilled_once(tiny_tok):
     for dedupe in (True, False):
         eng = RolloutEngine(model, tok, RolloutConfig(mode="rehearse", temperature=1.0, max_new_tokens=12,
                                                       max_turns=2))
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        eng.backend_factory = lambda d=dedupe: HFGenerator(model, pad_id=pad, dedupe=d)
+        eng.backend_factory = lambda d=dedupe, e=eng: HFGenerator(model, pad_id=e.pad_id, dedupe=d)
         res = eng.rollout(tasks, suite, group_size=3, seed=5)
         eps[dedupe] = res
     first = [len(eng.prompt_for(t, suite.make_env(), 0).input_ids) for t in tasks]

@@ -116,9 +116,7 @@ class RehearsalPolicy:
         context the first rehearsal of that item has just stored."""
         if self.prefix_cache is None:
             return None
-        tok = engine.template.tokenizer
-        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        model, cache = self._model, self.prefix_cache
+        model, cache, pad = self._model, self.prefix_cache, engine.pad_id
         return lambda: HFGenerator(model, pad_id=pad, prefix_cache=cache, cache_writes=writes)
 
     # -- engine token-source interface ----------------------------------------------------------

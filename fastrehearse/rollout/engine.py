@@ -508,8 +508,8 @@ class RolloutEngine:
         self.model = model
         self.template = template or ChatTemplate(tokenizer)
         tok = self.template.tokenizer
-        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        self.backend_factory = backend_factory or (lambda: HFGenerator(self._need_model(), pad_id=pad))
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        self.backend_factory = backend_factory or (lambda: HFGenerator(self._need_model(), pad_id=self.pad_id))
         self.logits_processor = logits_processor
         self.eos_ids = {i for i in (tok.eos_token_id,) if i is not None}
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)

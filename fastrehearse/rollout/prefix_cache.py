@@ -115,10 +115,6 @@ class PrefixCache:
     def _drop(self, key: int) -> None:
         self.nbytes -= self._entries.pop(key).nbytes
 
-    def clear(self) -> None:
-        self._entries.clear()
-        self.nbytes = 0
-
     def stats(self) -> dict:
         total = self.reused_tokens + self.computed_tokens
         return {"entries": len(self._entries), "bytes": self.nbytes, "reused_tokens": self.reused_tokens,
