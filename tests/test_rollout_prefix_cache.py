@@ -170,10 +170,13 @@ def test_bad_prefix_cache_settings_are_refused(tiny_tok, tmp_path):
     model, tok = tiny_tok
     with pytest.raises(ValueError, match="prefix_cache_bytes"):
         RehearsalPolicy(model, tok, 1, prefix_cache_bytes=-1)
-    with pytest.raises(cli.UsageError, match="--rehearsal-cache-gib"):
-        cli.run(cli.build_parser().parse_args(["--suite", "builtin", "--policy", "smollm2", "--limit", "1",
-                                               "--rehearsal-budget", "1", "--rehearsal-cache-gib", "-1",
-                                               "--out", str(tmp_path / "x")]))
+    for bad, msg in (("-1", "must be >= 0, got -1.0"), ("nan", "must be >= 0, got nan"),
+                     ("inf", "must be finite")):
+        with pytest.raises(cli.UsageError, match=f"--rehearsal-cache-gib {msg}"):
+            cli.run(cli.build_parser().parse_args(["--suite", "builtin", "--policy", "smollm2", "--limit", "1",
+                                                   "--rehearsal-budget", "1", "--rehearsal-cache-gib", bad,
+                                                   "--out", str(tmp_path / "x")]))
+        assert not (tmp_path / "x").exists()   # refused before anything is written
 
 
 def test_grpo_group_prompts_are_prefilled_once(tiny_tok):

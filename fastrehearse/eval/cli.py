@@ -209,6 +209,8 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("temperature", "rehearsal_temperature", "rehearsal_cache_gib"):
         if not getattr(args, name) >= 0:     # NaN fails too
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.rehearsal_cache_gib == float("inf"):   # a byte budget must be a number of bytes
+        raise UsageError("--rehearsal-cache-gib must be finite (0 = off), got inf")
     if args.time_limit_s is not None and not args.time_limit_s > 0:
         raise UsageError(f"--time-limit-s must be > 0, got {args.time_limit_s}")
 
