@@ -31,6 +31,10 @@ spans [start, end) of one role each. Each span's reward is centred (and optional
 against all turn rewards of the same (group, role) -- pooled over turns, leave-one-out excluding the
 episode's own spans when enabled -- and added, times `turn_reward_coef`, to the tokens of that span.
 
+Hybrid strata: when episodes carry metadata["stratum"] (fastrehearse.algo.rewards tags hybrid
+episodes "real" / "rehearsed"), ACT's g is split by stratum: ACT is compared only with episodes of
+the same task whose calls were executed the same way. Other roles keep the task group.
+
 Groups never cross data-parallel ranks: the trainer generates all samples of a task on one rank, so
 this computation is local and needs no communication.
 """
@@ -64,6 +68,9 @@ class AdvantageStats:
     zero_std_frac: dict[str, float] = field(default_factory=dict)
     mean_reward: dict[str, float] = field(default_factory=dict)
     mean_abs_adv: dict[str, float] = field(default_factory=dict)
+    # Share of the baseline groups of a role (task groups, or (task, stratum) groups for a
+    # stratified ACT) that give every member advantage 0: equal rewards, or a single member.
+    zero_signal_frac: dict[str, float] = field(default_factory=dict)
 
 
 def group_advantages(rewards: torch.Tensor, *, std_normalize: bool = False,
@@ -126,27 +133,39 @@ def compute_advantages(episodes: list[Episode], config: AdvantageConfig | None =
     abs_adv = defaultdict(list)
     all_r = defaultdict(list)
 
+    n_groups = defaultdict(int)      # baseline groups per role (task groups; ACT: its strata)
+    zero_signal = defaultdict(int)
     for idx in groups.values():
         for role in roles:
             masks = {i: role_t[i] == int(role) for i in idx}
             members = [i for i in idx if bool(masks[i].any())]   # g_r
             if not members:
+                n_groups[role.name] += 1
                 continue
-            rewards = torch.tensor([_role_reward(episodes[i], role) for i in members], dtype=torch.float64)
-            adv = group_advantages(rewards, std_normalize=cfg.std_normalize,
-                                   leave_one_out=cfg.leave_one_out, eps=cfg.eps)
-            zero_std[role.name] += int(len(members) > 1 and bool((rewards == rewards[0]).all()))
-            all_r[role.name] += rewards.tolist()
-            for a, i in zip(adv.tolist(), members):
-                per_token[i][masks[i]] = a
-                abs_adv[role.name].append(abs(a))
+            strata = [members]
+            if role == Role.ACT and any("stratum" in episodes[i].metadata for i in members):
+                keys = sorted({str(episodes[i].metadata.get("stratum")) for i in members})
+                strata = [[i for i in members if str(episodes[i].metadata.get("stratum")) == k] for k in keys]
+            for sub in strata:
+                n_groups[role.name] += 1
+                rewards = torch.tensor([_role_reward(episodes[i], role) for i in sub], dtype=torch.float64)
+                adv = group_advantages(rewards, std_normalize=cfg.std_normalize,
+                                       leave_one_out=cfg.leave_one_out, eps=cfg.eps)
+                same = bool((rewards == rewards[0]).all())
+                zero_std[role.name] += int(len(sub) > 1 and same)
+                zero_signal[role.name] += int(same)      # a single member is "all equal" too
+                all_r[role.name] += rewards.tolist()
+                for a, i in zip(adv.tolist(), sub):
+                    per_token[i][masks[i]] = a
+                    abs_adv[role.name].append(abs(a))
         _add_turn_advantages(episodes, idx, per_token, cfg, roles)
 
     for i, ep in enumerate(episodes):
         ep.advantages = per_token[i].tolist()
-    n = max(len(groups), 1)
     for role in roles:
+        n = max(n_groups[role.name], 1)
         stats.zero_std_frac[role.name] = zero_std[role.name] / n
+        stats.zero_signal_frac[role.name] = zero_signal[role.name] / n
         stats.mean_reward[role.name] = sum(all_r[role.name]) / max(len(all_r[role.name]), 1)
         stats.mean_abs_adv[role.name] = sum(abs_adv[role.name]) / max(len(abs_adv[role.name]), 1)
     return stats

@@ -122,11 +122,26 @@ class ToolEnv(ABC):
 
 
 class Suite(ABC):
-    """A set of tasks plus a factory for per-episode environments."""
+    """A set of tasks plus a factory for per-episode environments.
+
+    Training reward modes (fastrehearse.algo.rewards; docs/training.md "Rewards"): "real" is always
+    `env.score`; a suite that can also grade a trajectory another way lists the mode in
+    `reward_modes` and implements `task_reward` (e.g. "consistent": inside the episode's own,
+    possibly rehearsed, world). `response_spec(tool)` describes a tool's successful response
+    ({"keys": [...], "echo": {output key: argument}}) for the world-model reward's format term;
+    None when the suite does not say."""
     name: str
+    reward_modes: tuple[str, ...] = ("real",)
 
     @abstractmethod
     def tasks(self, split: str, limit: int | None = None) -> list[Task]: ...
 
     @abstractmethod
     def make_env(self) -> ToolEnv: ...
+
+    def task_reward(self, task: Task, trajectory: Trajectory, mode: str) -> float:
+        """Task success of `trajectory` under reward `mode` (one of `reward_modes` but "real")."""
+        raise ValueError(f"suite {self.name!r} has no reward mode {mode!r}; it has {list(self.reward_modes)}")
+
+    def response_spec(self, tool: str) -> dict | None:
+        return None

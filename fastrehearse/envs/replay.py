@@ -56,6 +56,62 @@ def final_answer_of(trajectory: Trajectory) -> str:
 
 
 @dataclass
+class Exchange:
+    """One well-formed tool call and the response the episode showed for it."""
+    name: str
+    arguments: Any
+    content: str | None          # None: the episode ended before the response (a cut rehearsal)
+    rehearsed: bool | None       # True: the model wrote it; False: executed for real; None: unknown
+
+
+def exchanges_of(messages: list[dict]) -> list[Exchange]:
+    """Every well-formed call of the assistant messages, in order, paired with the tool message
+    that answered it (rehearsed or real). Malformed calls also get a tool message (the engine's
+    error response) but no Exchange: an assistant message's `raw_text` is re-split into all its
+    call blocks (syntax only, as the engine splits them), so the tool messages line up with the
+    blocks; without `raw_text` (gold and hand-written trajectories) they line up with `tool_calls`."""
+    from fastrehearse.rollout.toolcall import parse_tool_calls   # lazy: envs do not need rollout
+    out: list[Exchange] = []
+    slots: list[Exchange | None] = []    # this turn's call blocks waiting for their tool message
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        role = m.get("role")
+        if role == "tool":
+            if slots:
+                ex = slots.pop(0)
+                if ex is not None:
+                    ex.content = m.get("content") if isinstance(m.get("content"), str) else ""
+                    ex.rehearsed = m.get("rehearsed")
+            continue
+        slots = []
+        if role != "assistant":
+            continue
+        ok = [parse_tool_call(tc) for tc in m.get("tool_calls") or []]
+        raw = m.get("raw_text")
+        blocks = parse_tool_calls(raw).calls if isinstance(raw, str) else None
+        if blocks is None or len(blocks) == len(ok):
+            slots = [Exchange(c.name, c.arguments, None, None) for c in ok]
+        else:   # some blocks were malformed: the good calls are the blocks equal to them, in order
+            slots = _align(blocks, ok, exact=True) or _align(blocks, ok, exact=False) or \
+                [Exchange(c.name, c.arguments, None, None) for c in ok]
+        out += [ex for ex in slots if ex is not None]
+    return out
+
+
+def _align(blocks, ok: list[ToolCall], exact: bool) -> list[Exchange | None] | None:
+    """Blocks -> slots (an Exchange where a block is the next good call), or None if not all fit."""
+    slots, queue = [], list(ok)
+    for b in blocks:
+        if queue and b.ok and b.call.name == queue[0].name and (not exact or b.call.arguments == queue[0].arguments):
+            c = queue.pop(0)
+            slots.append(Exchange(c.name, c.arguments, None, None))
+        else:
+            slots.append(None)
+    return None if queue else slots
+
+
+@dataclass
 class ReplayResult:
     score: float
     trajectory: Trajectory                       # messages with tool responses regenerated for real

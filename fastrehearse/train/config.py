@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from fastrehearse.algo.rewards import WorldRewardConfig
 from fastrehearse.kernels import PolicyLossConfig
 from fastrehearse.model.loader import TinyModelOptions
 from fastrehearse.rollout.engine import RolloutConfig as EngineRolloutConfig
@@ -63,6 +64,10 @@ class EnvConfig:
     train_split: str = "train"
     eval_split: str = "test"
     max_train_tasks: int | None = None
+    # Task reward of training rollouts (fastrehearse.algo.rewards; docs/training.md "Rewards"): real
+    # (env.score) | consistent (graded inside the episode's own, possibly rehearsed, world) | calls.
+    # Evaluation always scores real.
+    reward: typing.Literal["real", "consistent", "calls"] = "real"
 
 
 @dataclass
@@ -102,6 +107,9 @@ class AlgoConfig:
     # The kernel's own config. loss.temperature follows rollout.temperature unless set (then it
     # must equal it: the importance ratio compares log-probs of the same tempered distribution).
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    # The REHEARSE role's reward (fastrehearse.algo.rewards): mode task | world (format + grounded).
+    world_reward: WorldRewardConfig = field(default_factory=WorldRewardConfig)
+    hybrid_baseline: typing.Literal["strata", "pooled"] = "strata"   # hybrid ACT baseline per stratum
 
 
 @dataclass

@@ -1,17 +1,35 @@
-"""Task success for the builtin suite.
+"""Task success for the builtin suite, in three reward modes (`score(payload, trajectory, mode)`).
 
-The score re-executes every tool call the trajectory's assistant messages made on a fresh copy of
-the task's world, so it is the same whether the calls were executed for real, rehearsed by the model
-(rehearse mode), or a mix (hybrid): the world the agent *acted on* is graded, not the world it
-imagined. A task succeeds (1.0) when every check in payload["checks"] passes, else 0.0:
+`real` (the task success every evaluation reports): the score re-executes every tool call the
+trajectory's assistant messages made on a fresh copy of the task's world, so it is the same whether
+the calls were executed for real, rehearsed by the model (rehearse mode), or a mix (hybrid): the
+world the agent *acted on* is graded, not the world it imagined. A task succeeds (1.0) when every
+check in payload["checks"] passes, else 0.0:
   calls   every required gold call (name + arguments) was made and succeeded;
   state   the database after those calls equals the gold final database (exact digest; so an extra
           transfer or a duplicated order fails);
   answer  the final assistant message contains the answer (numbers within tolerance, ids as a whole
           word, a status/location naming exactly the right option).
+
+`calls`: the same without the answer check (the rehearse-calls reward of docs/learning.md).
+
+`consistent` (a reward a trainer can compute inside a rehearsed world: nothing is executed and no
+hidden value of the real world is read; only the task's gold calls, which are annotations):
+  calls   every required gold call (name + arguments, same matching) appears among the calls made
+          whose response in *this episode* is not an error object;
+  state   the write calls (WRITE_TOOLS) whose response in this episode is not an error equal the
+          gold's write calls one to one (no missing, no extra: the world-free analogue of the
+          state digest);
+  answer  the answer spec's value is replaced by the value at its `source` in this episode's own
+          responses (the latest response of the source tool that yields one: rehearsed or real),
+          then checked with the same kinds and tolerances; no such response -> 0.
+An episode whose world model said 2804.47 and whose answer reports 2804.47 scores 1 here and 0
+under `real` when the real balance differs. A malformed call scores as in every mode (the engine's
+`malformed_reward`, applied by the caller).
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any
@@ -19,9 +37,12 @@ from typing import Any
 from fastrehearse.envs.base import Trajectory
 from fastrehearse.envs.builtin.tools import execute
 from fastrehearse.envs.builtin.world import make_world, state_digest
-from fastrehearse.envs.replay import final_answer_of, tool_calls_of
+from fastrehearse.envs.replay import Exchange, exchanges_of, final_answer_of, tool_calls_of
 
 MAX_SCORED_CALLS = 64   # a runaway episode cannot make scoring slow
+REWARD_MODES = ("real", "calls", "consistent")
+WRITE_TOOLS = frozenset({"transfer", "place_order", "cancel_order", "create_event", "cancel_event"})
+_INT = re.compile(r"-?\d+")
 # A number not glued to a word, a decimal point, a time/date separator: "2026-03-04" and "14:00"
 # yield nothing, "AC1234" does not yield 1234. Thousands separators allowed: 1,234.50.
 _NUM = re.compile(r"(?<![\w.:/-])-?\d+(?:,\d{3})*(?:\.\d+)?(?!\d|[:/.,-]\d)")
@@ -68,7 +89,11 @@ def calls_match(required: list[dict], made: list[tuple[str, dict]]) -> bool:
     return True
 
 
-def score(payload: dict, trajectory: Trajectory) -> float:
+def score(payload: dict, trajectory: Trajectory, mode: str = "real") -> float:
+    if mode == "consistent":
+        return score_consistent(payload, trajectory)
+    if mode not in REWARD_MODES:
+        raise ValueError(f"builtin reward mode {mode!r}: expected one of {REWARD_MODES}")
     world = make_world(payload["world_seed"])
     calls = tool_calls_of(trajectory.messages) or list(trajectory.real_calls)
     made = []
@@ -80,6 +105,85 @@ def score(payload: dict, trajectory: Trajectory) -> float:
         return 0.0
     if "state" in checks and state_digest(world) != payload["state_digest"]:
         return 0.0
-    if "answer" in checks and not check_answer(payload["answer"], final_answer_of(trajectory)):
+    if mode == "real" and "answer" in checks and not check_answer(payload["answer"], final_answer_of(trajectory)):
         return 0.0
+    return 1.0
+
+
+# ---- consistent: graded inside the episode's own world ----------------------------------------
+def _load(text: str | None):
+    try:
+        return json.loads(text) if isinstance(text, str) else None
+    except (ValueError, RecursionError):
+        return None
+
+
+def is_error_response(content: str | None) -> bool:
+    """A response that reports a failed call: a JSON object with an "error" key (the builtin tools'
+    shape), or no response at all (a cut rehearsal)."""
+    obj = _load(content)
+    return content is None or (isinstance(obj, dict) and "error" in obj)
+
+
+def _follow(value, path: list[str]):
+    """The value at `path` (tasks.answer_at) inside a parsed response, or None."""
+    for step in path:
+        if step == "#len":
+            value = len(value) if isinstance(value, list) else None
+        elif step.startswith("#max_by:"):
+            key = step[len("#max_by:"):]
+            items = [x for x in value if isinstance(x, dict) and isinstance(x.get(key), (str, int, float))] \
+                if isinstance(value, list) else []
+            kinds = {type(x[key]) is str for x in items}
+            value = max(items, key=lambda x: x[key]) if items and len(kinds) == 1 else None
+        elif step == "#int":
+            m = _INT.search(value) if isinstance(value, str) else None
+            value = int(m.group()) if m else None
+        else:
+            value = value.get(step) if isinstance(value, dict) else None
+        if value is None:
+            return None
+    return value
+
+
+def _typed(kind: str, value):
+    """`value` as the answer kind needs it, or None (a number may arrive as a numeric string)."""
+    if kind == "number":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value) if math.isfinite(value) else None
+        nums = numbers_in(value) if isinstance(value, str) else []
+        return nums[0] if len(nums) == 1 else None
+    return value.strip() if isinstance(value, str) and value.strip() else None
+
+
+def episode_answer_spec(spec: dict, exchanges: list[Exchange]) -> dict | None:
+    """`spec` with its value taken from the episode's own responses (see the module docstring), or
+    None when no response of a source tool yields a value of the answer's kind."""
+    for ex in reversed(exchanges):
+        for alt in spec.get("source") or []:
+            if ex.name != alt["tool"]:
+                continue
+            v = _typed(spec["kind"], _follow(_load(ex.content), alt["path"]))
+            if v is not None and spec["kind"] == "choice":   # "Shipped" names the option "shipped"
+                v = next((o for o in spec["options"] if o.casefold() == v.casefold()), v)
+            if v is not None:
+                return {**spec, "value": v}
+    return None
+
+
+def score_consistent(payload: dict, trajectory: Trajectory) -> float:
+    done = [ex for ex in exchanges_of(trajectory.messages)[:MAX_SCORED_CALLS] if not is_error_response(ex.content)]
+    made = [(ex.name, ex.arguments) for ex in done]
+    checks = payload["checks"]
+    if "calls" in checks and not calls_match(payload["required_calls"], made):
+        return 0.0
+    if "state" in checks:
+        gold_writes = [c for c in payload["required_calls"] if c["name"] in WRITE_TOOLS]
+        writes = [(n, a) for n, a in made if n in WRITE_TOOLS]
+        if len(writes) != len(gold_writes) or not calls_match(gold_writes, writes):
+            return 0.0
+    if "answer" in checks and payload["answer"] is not None:
+        spec = episode_answer_spec(payload["answer"], exchanges_of(trajectory.messages))
+        if spec is None or not check_answer(spec, final_answer_of(trajectory)):
+            return 0.0
     return 1.0

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 from fastrehearse.envs.base import ResetResult, Suite, Task, ToolCall, ToolEnv, ToolResult, Trajectory
 from fastrehearse.envs.builtin import scoring
 from fastrehearse.envs.builtin.tasks import TEMPLATES, generate
-from fastrehearse.envs.builtin.tools import DOMAINS, SCHEMAS, dumps, execute
+from fastrehearse.envs.builtin.tools import DOMAINS, RESPONSES, SCHEMAS, dumps, execute
 from fastrehearse.envs.builtin.world import make_world
 
 SYSTEM_PROMPT = ("You are a helpful assistant with access to tools. Use the tools to look up what you "
@@ -149,3 +149,15 @@ class BuiltinSuite(Suite):
 
     def make_env(self) -> BuiltinEnv:
         return BuiltinEnv()
+
+    # Training rewards (envs/builtin/scoring.py): "calls" drops the answer check, "consistent"
+    # grades inside the episode's own world (rehearsed or real responses), executing nothing.
+    reward_modes = scoring.REWARD_MODES
+
+    def task_reward(self, task: Task, trajectory: Trajectory, mode: str) -> float:
+        if mode not in self.reward_modes:
+            return super().task_reward(task, trajectory, mode)
+        return scoring.score(task.payload, trajectory, mode)
+
+    def response_spec(self, tool: str) -> dict | None:
+        return RESPONSES.get(tool)

@@ -39,22 +39,32 @@ UNIT_PAIRS = [("mi", "km"), ("km", "mi"), ("ft", "m"), ("m", "ft"), ("lb", "kg")
 
 
 # ---- answer specs (checked by fastrehearse.envs.builtin.scoring) ------------------------------
-def number(value: float, abs_tol: float = 0.0, rel_tol: float = 0.0) -> dict:
-    return {"kind": "number", "value": value, "abs_tol": abs_tol, "rel_tol": rel_tol}
+# Every spec also says where its value comes from in the episode's own tool responses ("source":
+# alternatives made by `answer_at`), so the `consistent` reward can grade the answer against the world
+# the episode saw (rehearsed or real) instead of the real world's hidden value.
+def answer_at(tool: str, *path: str) -> dict:
+    """The answer's value is in the latest response of `tool` that yields one, at `path`: keys, or
+    "#len" (length of a list), "#max_by:KEY" (the list item with the largest KEY), "#int" (the first
+    integer in a string, e.g. an error message)."""
+    return {"tool": tool, "path": list(path)}
 
 
-def money(value: float) -> dict:
-    return number(value, abs_tol=0.01)
+def number(value: float, *source: dict, abs_tol: float = 0.0, rel_tol: float = 0.0) -> dict:
+    return {"kind": "number", "value": value, "abs_tol": abs_tol, "rel_tol": rel_tol, "source": list(source)}
 
 
-def token(value: str) -> dict:
+def money(value: float, *source: dict) -> dict:
+    return number(value, *source, abs_tol=0.01)
+
+
+def token(value: str, *source: dict) -> dict:
     """An exact id / time that must appear as a whole word (case-insensitive)."""
-    return {"kind": "token", "value": value}
+    return {"kind": "token", "value": value, "source": list(source)}
 
 
-def choice(value: str, options: list[str]) -> dict:
+def choice(value: str, options: list[str], *source: dict) -> dict:
     """Exactly one of `options` may be named, and it must be `value` (naming all of them fails)."""
-    return {"kind": "choice", "value": value, "options": options}
+    return {"kind": "choice", "value": value, "options": options, "source": list(source)}
 
 
 class GoldError(RuntimeError):
@@ -127,20 +137,20 @@ def easy(w, rng, s):
     r = s.call(tool, **{arg: val})
     if tool == "get_balance":
         s.answer(f"The balance of {val} is {_money(r['balance'])} USD.")
-        ans = money(r["balance"])
+        ans = money(r["balance"], answer_at(tool, "balance"))
     elif tool == "check_stock":
         s.answer(f"{val} has {r['in_stock']} units in stock.")
-        ans = number(r["in_stock"])
+        ans = number(r["in_stock"], answer_at(tool, "in_stock"))
     elif tool == "get_order_status":
         s.answer(f"Order {val} is {r['status']}.")
-        ans = choice(r["status"], ORDER_STATUSES)
+        ans = choice(r["status"], ORDER_STATUSES, answer_at(tool, "status"))
     elif tool == "list_events":
         titles = ", ".join(e["title"] for e in r["events"])
         s.answer(f"There are {len(r['events'])} events on {val}: {titles}.")
-        ans = number(len(r["events"]))
+        ans = number(len(r["events"]), answer_at(tool, "events", "#len"))
     else:
         s.answer(f"The customer id of {val} is {r['customer_id']}.")
-        ans = token(r["customer_id"])
+        ans = token(r["customer_id"], answer_at(tool, "customer_id"))
     return Draft(phrase.format(t=tool, a=arg, v=val), ans, ("easy", tool, val), [tool])
 
 
@@ -150,14 +160,16 @@ def balance_by_id(w, rng, s):
     prompt = rng.choice(["What is the balance of account {a}?", "How much money is in account {a}?"])
     r = s.call("get_balance", account_id=aid)
     s.answer(f"Account {aid} has a balance of {_money(r['balance'])} USD.")
-    return Draft(prompt.format(a=aid), money(r["balance"]), ("balance_by_id", aid), _domains("accounts"))
+    return Draft(prompt.format(a=aid), money(r["balance"], answer_at("get_balance", "balance")),
+                 ("balance_by_id", aid), _domains("accounts"))
 
 
 def stock_by_sku(w, rng, s):
     sku = rng.choice(sorted(w["products"]))
     r = s.call("check_stock", sku=sku)
     s.answer(f"There are {r['in_stock']} units of {sku} in stock.")
-    return Draft(f"How many units of product {sku} are in stock?", number(r["in_stock"]),
+    return Draft(f"How many units of product {sku} are in stock?",
+                 number(r["in_stock"], answer_at("check_stock", "in_stock")),
                  ("stock_by_sku", sku), _domains("shop"))
 
 
@@ -165,17 +177,19 @@ def order_status_by_id(w, rng, s):
     oid = rng.choice(sorted(w["orders"]))
     r = s.call("get_order_status", order_id=oid)
     s.answer(f"Order {oid} is {r['status']}.")
-    return Draft(f"What is the status of order {oid}?", choice(r["status"], ORDER_STATUSES),
+    return Draft(f"What is the status of order {oid}?",
+                 choice(r["status"], ORDER_STATUSES, answer_at("get_order_status", "status")),
                  ("order_status_by_id", oid), _domains("shop"))
 
 
 def convert_units(w, rng, s):
-    src, dst = rng.choice(UNIT_PAIRS)
+    src_unit, dst = rng.choice(UNIT_PAIRS)
     value = rng.choice([rng.randint(1, 500), rng.randint(1, 200) + 0.5])
-    r = s.call("convert", value=value, from_unit=src, to_unit=dst)
-    s.answer(f"{value} {UNIT_WORDS[src]} is {r['value']:.2f} {UNIT_WORDS[dst]}.")
-    return Draft(f"How many {UNIT_WORDS[dst]} is {value} {UNIT_WORDS[src]}?",
-                 number(r["value"], abs_tol=0.01, rel_tol=0.005), ("convert", src, dst, value),
+    r = s.call("convert", value=value, from_unit=src_unit, to_unit=dst)
+    s.answer(f"{value} {UNIT_WORDS[src_unit]} is {r['value']:.2f} {UNIT_WORDS[dst]}.")
+    return Draft(f"How many {UNIT_WORDS[dst]} is {value} {UNIT_WORDS[src_unit]}?",
+                 number(r["value"], answer_at("convert", "value"), abs_tol=0.01, rel_tol=0.005),
+                 ("convert", src_unit, dst, value),
                  _domains("convert"))
 
 
@@ -183,7 +197,8 @@ def events_count(w, rng, s):
     date = rng.choice(sorted({e["date"] for e in w["events"].values()}))
     r = s.call("list_events", date=date)
     s.answer(f"You have {len(r['events'])} events on {date}.")
-    return Draft(f"How many events are on my calendar on {date}?", number(len(r["events"])),
+    return Draft(f"How many events are on my calendar on {date}?",
+                 number(len(r["events"]), answer_at("list_events", "events", "#len")),
                  ("events_count", date), _domains("calendar"))
 
 
@@ -195,7 +210,8 @@ def balance_by_owner(w, rng, s):
     found = next(a["account_id"] for a in r["accounts"] if a["type"] == typ)
     b = s.call("get_balance", account_id=found)
     s.answer(f"{owner}'s {typ} account ({found}) has {_money(b['balance'])} USD.")
-    return Draft(f"What is the balance of {owner}'s {typ} account?", money(b["balance"]),
+    return Draft(f"What is the balance of {owner}'s {typ} account?",
+                 money(b["balance"], answer_at("get_balance", "balance")),
                  ("balance_by_owner", owner, typ), _domains("accounts"))
 
 
@@ -205,7 +221,8 @@ def stock_by_name(w, rng, s):
     sku = next(p["sku"] for p in r["products"] if p["name"] == name)
     st = s.call("check_stock", sku=sku)
     s.answer(f"There are {st['in_stock']} units of the {name} ({sku}) in stock.")
-    return Draft(f"How many units of the {name} are in stock?", number(st["in_stock"]),
+    return Draft(f"How many units of the {name} are in stock?",
+                 number(st["in_stock"], answer_at("check_stock", "in_stock")),
                  ("stock_by_name", name), _domains("shop"))
 
 
@@ -215,7 +232,9 @@ def latest_order_status(w, rng, s):
     orders = s.call("list_orders", customer_id=c["customer_id"])["orders"]
     last = max(orders, key=lambda o: o["placed_on"])
     s.answer(f"{name}'s most recent order {last['order_id']} is {last['status']}.")
-    return Draft(f"What is the status of {name}'s most recent order?", choice(last["status"], ORDER_STATUSES),
+    return Draft(f"What is the status of {name}'s most recent order?",
+                 choice(last["status"], ORDER_STATUSES,
+                        answer_at("list_orders", "orders", "#max_by:placed_on", "status")),
                  ("latest_order_status", name), _domains("shop"))
 
 
@@ -226,7 +245,8 @@ def event_location(w, rng, s):
     found = next(e["event_id"] for e in evs if e["title"] == title)
     d = s.call("get_event", event_id=found)
     s.answer(f"'{title}' on {date} is at {d['location']}.")
-    return Draft(f"Where is the '{title}' event on {date} taking place?", choice(d["location"], LOCATIONS),
+    return Draft(f"Where is the '{title}' event on {date} taking place?",
+                 choice(d["location"], LOCATIONS, answer_at("get_event", "location")),
                  ("event_location", title, date), _domains("calendar"))
 
 
@@ -238,7 +258,8 @@ def price_in_currency(w, rng, s):
     c = s.call("convert", value=price, from_unit="USD", to_unit=cur)
     s.answer(f"The {name} costs {price} USD, which is {c['value']:.2f} {cur}.")
     return Draft(f"How much does the {name} cost in {UNIT_WORDS[cur]}?",
-                 number(c["value"], abs_tol=0.01, rel_tol=0.005), ("price_in_currency", name, cur),
+                 number(c["value"], answer_at("convert", "value"), abs_tol=0.01, rel_tol=0.005),
+                 ("price_in_currency", name, cur),
                  _domains("shop", "convert"))
 
 
@@ -267,7 +288,8 @@ def transfer_between_owners(w, rng, s):
              f"now has {_money(t['from_balance'])} USD.")
     return Draft(f"Transfer {_money(amount)} USD from {a}'s {src['type']} account to {b}'s {dst['type']} "
                  f"account, then tell me the new balance of {a}'s {src['type']} account.",
-                 money(t["from_balance"]), ("transfer", a, src["type"], b, dst["type"]),
+                 money(t["from_balance"], answer_at("transfer", "from_balance")),
+                 ("transfer", a, src["type"], b, dst["type"]),
                  _domains("accounts"))
 
 
@@ -288,7 +310,8 @@ def pay_in_currency(w, rng, s):
              f"{src['type']} account to {b}'s {dst['type']} account.")
     return Draft(f"Send the equivalent of {value} {UNIT_WORDS[cur]} in US dollars from {a}'s {src['type']} "
                  f"account to {b}'s {dst['type']} account, and tell me how many US dollars were sent.",
-                 money(t["amount"]), ("pay_in_currency", a, b, cur), _domains("accounts", "convert"))
+                 money(t["amount"], answer_at("transfer", "amount")), ("pay_in_currency", a, b, cur),
+                 _domains("accounts", "convert"))
 
 
 def order_product(w, rng, s):
@@ -306,10 +329,10 @@ def order_product(w, rng, s):
     if st >= qty:
         o = s.call("place_order", customer_id=cid, sku=sku, quantity=qty)
         s.answer(f"Order placed for {name}: {o['order_id']} ({qty} x {product}, total {_money(o['total'])} USD).")
-        ans = token(o["order_id"])
+        ans = token(o["order_id"], answer_at("place_order", "order_id"))
     else:
         s.answer(f"Not enough stock: only {st} units of the {product} are available, so no order was placed.")
-        ans = number(st)
+        ans = number(st, answer_at("check_stock", "in_stock"), answer_at("place_order", "error", "#int"))
     return Draft(prompt, ans, ("order_product", name, product), _domains("shop"))
 
 
@@ -324,7 +347,8 @@ def cancel_latest_open_order(w, rng, s):
     r = s.call("cancel_order", order_id=last["order_id"])
     s.answer(f"Cancelled {name}'s order {last['order_id']}; the refund is {_money(r['refund'])} USD.")
     return Draft(f"Cancel {name}'s most recent order that has not shipped yet, and tell me the refund amount.",
-                 money(r["refund"]), ("cancel_latest_open_order", name), _domains("shop"))
+                 money(r["refund"], answer_at("cancel_order", "refund")), ("cancel_latest_open_order", name),
+                 _domains("shop"))
 
 
 def reschedule(w, rng, s):
@@ -343,7 +367,7 @@ def reschedule(w, rng, s):
     s.call("cancel_event", event_id=old)
     s.answer(f"Moved '{title}' from {d1} to {d2} at {start}-{end} (new id {new['event_id']}).")
     return Draft(f"Move the '{title}' event from {d1} to the earliest free one-hour slot between 09:00 and "
-                 f"17:00 on {d2}, and tell me its new start time.", token(start),
+                 f"17:00 on {d2}, and tell me its new start time.", token(start, answer_at("create_event", "start")),
                  ("reschedule", title, d1, d2), _domains("calendar"))
 
 

@@ -76,6 +76,30 @@ SCHEMAS: dict[str, dict] = {s["function"]["name"]: s for s in [
         to_unit=(_S, "Target unit", list(UNITS))),
 ]}
 
+# What each tool's successful response holds (the handlers below): its top-level keys, and the
+# keys that echo an argument (output key -> argument name; compared as the handlers normalize:
+# strings case-insensitively, money to the cent). Public interface, not hidden state: the
+# world-model reward's format term (fastrehearse.algo.rewards) checks rehearsed responses against it.
+RESPONSES: dict[str, dict] = {
+    "find_accounts": {"keys": ["owner", "accounts"], "echo": {"owner": "owner"}},
+    "get_balance": {"keys": ["account_id", "balance", "currency"], "echo": {"account_id": "account_id"}},
+    "transfer": {"keys": ["transfer_id", "amount", "from_balance", "to_balance"], "echo": {"amount": "amount"}},
+    "find_customer": {"keys": ["customer_id", "name"], "echo": {"name": "name"}},
+    "search_products": {"keys": ["products"], "echo": {}},
+    "check_stock": {"keys": ["sku", "in_stock"], "echo": {"sku": "sku"}},
+    "list_orders": {"keys": ["customer_id", "orders"], "echo": {"customer_id": "customer_id"}},
+    "get_order_status": {"keys": ["order_id", "status"], "echo": {"order_id": "order_id"}},
+    "place_order": {"keys": ["order_id", "status", "total"], "echo": {}},
+    "cancel_order": {"keys": ["order_id", "status", "refund"], "echo": {"order_id": "order_id"}},
+    "list_events": {"keys": ["date", "events"], "echo": {"date": "date"}},
+    "get_event": {"keys": ["event_id", "title", "date", "start", "end", "location", "attendees"],
+                  "echo": {"event_id": "event_id"}},
+    "create_event": {"keys": ["event_id", "date", "start", "end"],
+                     "echo": {"date": "date", "start": "start", "end": "end"}},
+    "cancel_event": {"keys": ["event_id", "status"], "echo": {"event_id": "event_id"}},
+    "convert": {"keys": ["value", "unit"], "echo": {"unit": "to_unit"}},
+}
+
 DOMAINS = {
     "accounts": ["find_accounts", "get_balance", "transfer"],
     "shop": ["find_customer", "search_products", "check_stock", "list_orders", "get_order_status",

@@ -1,0 +1,281 @@
+"""Reward modes per role (fastrehearse/algo/rewards.py, envs/builtin/scoring.py): hand-built
+episodes pin `real`, `consistent` and `calls`, the world-model reward and the hybrid ACT strata;
+one engine run checks that the pairing of calls, rehearsed responses and fidelity entries holds on
+the engine's own trajectories."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fastrehearse.algo import compute_advantages
+from fastrehearse.algo.rewards import (WorldRewardConfig, assign_rewards, check_task_reward, format_score,
+                                       reward_row, score_rehearsals, stratum_of)
+from fastrehearse.data import Episode
+from fastrehearse.envs.base import Trajectory
+from fastrehearse.envs.builtin import BuiltinSuite
+from fastrehearse.envs.builtin.tools import RESPONSES
+from fastrehearse.envs.replay import exchanges_of
+from fastrehearse.kernels.roles import Role
+
+EASY = BuiltinSuite(level="easy", easy_answer=True)
+ALL = BuiltinSuite(level="all", easy_answer=True)
+
+
+def _easy(tool: str):
+    return next(t for t in (EASY.task("train", i) for i in range(200)) if t.payload["required_calls"][0]["name"] == tool)
+
+
+def _call(name, args):
+    return {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+                                                               "function": {"name": name, "arguments": args}}]}
+
+
+def _traj(task, response: dict | str, answer: str, rehearsed=True) -> Trajectory:
+    call = task.payload["required_calls"][0]
+    content = response if isinstance(response, str) else json.dumps(response)
+    msgs = [_call(call["name"], call["arguments"]), {"role": "tool", "content": content, "rehearsed": rehearsed},
+            {"role": "assistant", "content": answer}]
+    return Trajectory(messages=msgs, final_answer=answer)
+
+
+def _modes(task, traj):
+    return {m: EASY.task_reward(task, traj, m) for m in ("real", "calls", "consistent")}
+
+
+def test_faithful_report_of_a_rehearsed_world_scores_1_consistent_0_real():
+    """The issue's judged case: the world model says 1234.56, the real balance differs, the policy
+    reports what it saw."""
+    task = _easy("get_balance")
+    aid = task.payload["required_calls"][0]["arguments"]["account_id"]
+    real = task.payload["answer"]["value"]
+    assert abs(real - 1234.56) > 0.01
+    traj = _traj(task, {"account_id": aid, "balance": 1234.56, "currency": "USD"}, "The balance is 1234.56 USD.")
+    assert _modes(task, traj) == {"real": 0.0, "calls": 1.0, "consistent": 1.0}
+    # reporting the real value the episode never showed: right for `real`, wrong for `consistent`
+    traj = _traj(task, {"account_id": aid, "balance": 1234.56, "currency": "USD"}, f"It is {real:.2f} USD.")
+    assert _modes(task, traj) == {"real": 1.0, "calls": 1.0, "consistent": 0.0}
+
+
+@pytest.mark.parametrize("tool,response,answer,want", [
+    ("check_stock", {"in_stock": 7}, "7 units.", 1.0),
+    ("check_stock", {"in_stock": "7"}, "7 units.", 1.0),                # a numeric string is the value
+    ("check_stock", {"in_stock": 7}, "8 units.", 0.0),
+    ("get_order_status", {"status": "Shipped"}, "The order is shipped.", 1.0),   # the option, any case
+    ("get_order_status", {"status": "shipped"}, "Shipped, then delivered.", 0.0),  # names two options
+    ("get_order_status", {"status": "lost"}, "The order is lost.", 0.0),   # not an allowed status
+    ("list_events", {"events": [{"title": "a"}, {"title": "b"}]}, "There are 2 events.", 1.0),
+    ("list_events", {"events": "two"}, "There are 2 events.", 0.0),
+    ("find_customer", {"customer_id": "CU1"}, "The id is CU1.", 1.0),
+    ("get_balance", {"error": "account not found"}, "It is 5.", 0.0),      # the episode's world failed it
+    ("get_balance", "not json", "It is 5.", 0.0),
+])
+def test_consistent_answer_kinds(tool, response, answer, want):
+    task = _easy(tool)
+    assert EASY.task_reward(task, _traj(task, response, answer), "consistent") == want
+
+
+def test_consistent_calls_are_gold_calls_without_execution():
+    task = _easy("check_stock")
+    sku = task.payload["required_calls"][0]["arguments"]["sku"]
+    resp = {"sku": sku, "in_stock": 3}
+    ok = _traj(task, resp, "3 units")
+    assert EASY.task_reward(task, ok, "consistent") == 1.0
+    wrong = Trajectory(messages=[_call("check_stock", {"sku": "SK0000"}), {"role": "tool", "content": json.dumps(resp)},
+                                 {"role": "assistant", "content": "3 units"}])
+    assert EASY.task_reward(task, wrong, "consistent") == 0.0
+    lower = Trajectory(messages=[_call("check_stock", {"sku": sku.lower()}), {"role": "tool", "content": json.dumps(resp)},
+                                 {"role": "assistant", "content": "3 units"}])   # ids case-insensitive, as `real`
+    assert EASY.task_reward(task, lower, "consistent") == 1.0
+    none = Trajectory(messages=[{"role": "assistant", "content": "3 units"}])
+    assert EASY.task_reward(task, none, "consistent") == 0.0
+
+
+def test_consistent_state_counts_only_successful_writes_and_refuses_extra_ones():
+    task = next(t for t in (ALL.task("train", i) for i in range(400)) if t.payload["template"] == "transfer_between_owners")
+    gold = task.gold
+    assert ALL.task_reward(task, Trajectory(messages=gold), "consistent") == 1.0
+    t_call = next(m for m in gold if m.get("tool_calls") and m["tool_calls"][0]["function"]["name"] == "transfer")
+    extra_ok = gold[:-1] + [t_call, {"role": "tool", "content": '{"transfer_id":"TR9","amount":1}'}, gold[-1]]
+    assert ALL.task_reward(task, Trajectory(messages=extra_ok), "consistent") == 0.0
+    extra_failed = gold[:-1] + [t_call, {"role": "tool", "content": '{"error":"insufficient funds"}'}, gold[-1]]
+    assert ALL.task_reward(task, Trajectory(messages=extra_failed), "consistent") == 1.0
+
+
+def test_every_gold_trajectory_scores_1_in_every_mode():
+    for i in range(60):
+        task = ALL.task("train", i)
+        for mode in ("real", "calls", "consistent"):
+            assert ALL.task_reward(task, Trajectory(messages=task.gold), mode) == 1.0, (task.id, mode)
+
+
+def test_order_shortage_answer_from_the_stock_check_or_the_failed_order():
+    task = next(t for t in (ALL.task("train", i) for i in range(600))
+                if t.payload["template"] == "order_product" and t.payload["answer"]["kind"] == "number")
+    calls = [m for m in task.gold if m.get("tool_calls")]
+    find_c, search = calls[0], calls[1]
+    tools = [m for m in task.gold if m["role"] == "tool"]
+    sku = search["tool_calls"][0]["function"]["arguments"]["query"]
+    base = [find_c, tools[0], search, tools[1]]
+    via_error = base + [_call("place_order", {"customer_id": "CU1", "sku": sku, "quantity": 9}),
+                        {"role": "tool", "content": '{"error":"only 4 units in stock"}'},
+                        {"role": "assistant", "content": "Only 4 units are in stock."}]
+    assert ALL.task_reward(task, Trajectory(messages=via_error), "consistent") == 1.0
+
+
+def test_exchanges_pair_responses_with_calls_past_a_malformed_block():
+    raw = ('<tool_call>{"name": "get_balance", "arguments": {"bad": 1}}</tool_call>'
+           '<tool_call>{"name": "get_balance", "arguments": {"account_id": "AC1"}}</tool_call>')
+    msgs = [{"role": "assistant", "content": "", "raw_text": raw,
+             "tool_calls": [{"type": "function", "function": {"name": "get_balance", "arguments": {"account_id": "AC1"}}}]},
+            {"role": "tool", "content": '{"error": "bad_arguments", "message": "x"}', "rehearsed": False},
+            {"role": "tool", "content": '{"balance": 5}', "rehearsed": True},
+            {"role": "assistant", "content": "5"}]
+    ex = exchanges_of(msgs)
+    assert [(e.name, e.arguments, e.content, e.rehearsed) for e in ex] == [
+        ("get_balance", {"account_id": "AC1"}, '{"balance": 5}', True)]
+
+
+def test_format_score_hand_computed():
+    spec = RESPONSES["get_balance"]   # keys account_id, balance, currency; echo account_id
+    args = {"account_id": "AC12"}
+    assert format_score(args, '{"account_id":"ac12","balance":3.5,"currency":"USD"}', spec) == 1.0
+    # keys {account_id, balance} of 3 -> 2/3; echo wrong -> 0; parses 1: (1 + 2/3 + 0) / 3
+    assert format_score(args, '{"account_id":"AC99","balance":3.5}', spec) == pytest.approx((1 + 2 / 3) / 3)
+    # an extra key: Jaccard 3/4
+    assert format_score(args, '{"account_id":"AC12","balance":1,"currency":"USD","x":1}', spec) == \
+        pytest.approx((1 + 0.75 + 1) / 3)
+    assert format_score(args, '{"error":"not found"}', spec) == pytest.approx(1 / 3)
+    assert format_score(args, "balance is 5", spec) == 0.0
+    assert format_score(args, '[1, 2]', spec) == 0.0
+    # no spec: parses + same-name echo
+    assert format_score({"q": "a"}, '{"q": "A", "r": 1}', None) == 1.0
+    assert format_score({"q": "a"}, '{"q": "b"}', None) == 0.5
+    assert format_score({"q": "a"}, '{"r": 1}', None) == 1.0
+
+
+def test_world_reward_mixes_format_and_grounded_terms():
+    from fastrehearse.envs.replay import Exchange
+    ex = [Exchange("get_balance", {"account_id": "AC12"}, '{"account_id":"AC12","balance":1,"currency":"USD"}', True),
+          Exchange("get_balance", {"account_id": "AC12"}, "oops", True),
+          Exchange("check_stock", {"sku": "S"}, '{"sku":"S","in_stock":1}', False)]   # real: not scored
+    cfg = WorldRewardConfig(mode="world", format_weight=1.0, grounded_weight=3.0)
+    fid = [{"tool": "get_balance", "field_f1": 0.5, "exact": 0.0}, {"tool": "get_balance", "field_f1": 0.0, "exact": 0.0}]
+    s = score_rehearsals(ex, fid, cut=1, spec_of=RESPONSES.get, cfg=cfg)
+    assert [x.reward for x in s] == [pytest.approx((1 * 1.0 + 3 * 0.5) / 4), 0.0, 0.0]
+    s = score_rehearsals(ex, [], cut=0, spec_of=RESPONSES.get, cfg=cfg)    # nothing measured: F only
+    assert [x.reward for x in s] == [1.0, 0.0]
+    with pytest.raises(ValueError, match="fidelity entries"):
+        score_rehearsals(ex, fid[:1], cut=0, spec_of=RESPONSES.get, cfg=cfg)
+    with pytest.raises(ValueError):
+        WorldRewardConfig(format_weight=0)
+    with pytest.raises(ValueError):
+        WorldRewardConfig().grounded_weight = -1.0
+
+
+def _episode(task_id, roles, reward, group=0, **meta):
+    return Episode(input_ids=list(range(len(roles))), roles=roles, task_id=task_id, reward=reward,
+                   metadata={"group": group, **meta})
+
+
+def test_assign_rewards_then_advantages_per_role():
+    """Two rehearse episodes of one EASY task: ACT gets the consistent task reward with the group
+    baseline; REHEARSE its own world reward with its own baseline."""
+    task = _easy("get_balance")
+    aid = task.payload["required_calls"][0]["arguments"]["account_id"]
+    good = _traj(task, {"account_id": aid, "balance": 1234.56, "currency": "USD"}, "1234.56 USD")
+    bad = _traj(task, '{"balance": 1234.56}', "999.00 USD")    # parses, 1 of 3 keys, no echo; answer off
+    A, R, C = int(Role.ACT), int(Role.REHEARSE), int(Role.CONTEXT)
+    eps = [_episode(task.id, [C, A, R, R, A], 0.0, calls=[{"name": "get_balance", "mode": "rehearse"}]),
+           _episode(task.id, [C, A, R, A], 0.0, calls=[{"name": "get_balance", "mode": "rehearse"}])]
+    assign_rewards(eps, [good, bad], [task], EASY, task_reward="consistent", world=WorldRewardConfig(mode="world"),
+                   rollout_mode="rehearse")
+    assert [e.reward for e in eps] == [1.0, 0.0]
+    assert [e.metadata["reward_real"] for e in eps] == [0.0, 0.0]
+    w_bad = (1 + 1 / 3 + 0) / 3
+    assert eps[0].role_rewards[R] == 1.0 and eps[1].role_rewards[R] == pytest.approx(w_bad)
+    compute_advantages(eps)
+    assert eps[0].advantages == [0.0, 0.5, pytest.approx((1 - w_bad) / 2), pytest.approx((1 - w_bad) / 2), 0.5]
+    assert eps[1].advantages == [0.0, -0.5, pytest.approx(-(1 - w_bad) / 2), -0.5]
+    row = reward_row(eps)
+    assert row["reward_real"] == 0.0 and row["world_reward"] == pytest.approx((1 + w_bad) / 2)
+
+
+def test_malformed_keeps_malformed_reward_and_errors_are_left_alone():
+    task = _easy("get_balance")
+    aid = task.payload["required_calls"][0]["arguments"]["account_id"]
+    traj = _traj(task, {"account_id": aid, "balance": 1.0, "currency": "USD"}, "1.00")
+    A = int(Role.ACT)
+    eps = [_episode(task.id, [A], 0.0, malformed={"bad_json": 1}), _episode(task.id, [A], 0.0, error="score: boom")]
+    assign_rewards(eps, [traj, traj], [task], EASY, task_reward="consistent")
+    assert eps[0].reward == 0.0 and eps[0].metadata["reward_real"] == 0.0
+    assert eps[1].reward == 0.0 and "reward_real" not in eps[1].metadata
+    with pytest.raises(ValueError, match="only"):
+        check_task_reward(type("S", (), {"name": "tau2", "reward_modes": ("real",)}), "consistent")
+    with pytest.raises(ValueError, match="not one of"):
+        check_task_reward(EASY, "answer")
+
+
+def test_hybrid_act_baseline_within_strata():
+    """Real-call episodes (reward 1, 1) and rehearsed ones (0, 1) of one task: pooled, the rehearsed
+    0 gets -0.75; within strata the real ones get 0 and the rehearsed pair -0.5 / +0.5."""
+    A, C = int(Role.ACT), int(Role.CONTEXT)
+    real = [{"mode": "real"}]
+    reh = [{"mode": "rehearse"}]
+    assert stratum_of(real + reh) == "real" and stratum_of(reh) == "rehearsed" and stratum_of([]) == "rehearsed"
+
+    def eps(strata: bool):
+        out = [_episode("t", [C, A], r, calls=c) for r, c in ((1.0, real), (1.0, real), (0.0, reh), (1.0, reh))]
+        if strata:
+            for e in out:
+                e.metadata["stratum"] = stratum_of(e.metadata["calls"])
+        return out
+    pooled, strat = eps(False), eps(True)
+    compute_advantages(pooled)
+    st = compute_advantages(strat)
+    assert [e.advantages[1] for e in pooled] == [0.25, 0.25, -0.75, 0.25]
+    assert [e.advantages[1] for e in strat] == [0.0, 0.0, -0.5, 0.5]
+    assert st.zero_signal_frac["ACT"] == 0.5 and st.zero_std_frac["ACT"] == 0.5   # the real stratum: all 1
+
+
+def test_assign_rewards_tags_hybrid_strata_only_in_hybrid():
+    task = _easy("get_balance")
+    traj = _traj(task, "{}", "x", rehearsed=False)
+    for mode, baseline, want in (("hybrid", "strata", True), ("hybrid", "pooled", False), ("rehearse", "strata", False)):
+        e = _episode(task.id, [int(Role.ACT)], 0.0, calls=[{"mode": "real"}])
+        assign_rewards([e], [traj], [task], EASY, rollout_mode=mode, hybrid_baseline=baseline)
+        assert ("stratum" in e.metadata) == want
+
+
+def test_engine_rollout_rehearsed_world_consistent_reward(llama):
+    """Through the real engine (tiny model forced by ScriptedTurns): the gold call, a rehearsed
+    response with a wrong balance, an answer stating it. consistent 1, real 0; the world reward's
+    grounded term is the engine's measured F1."""
+    from fastrehearse.rollout.engine import RolloutConfig, RolloutEngine
+    from fastrehearse.rollout.template import assistant_text
+    from fastrehearse.rollout.testing import ScriptedTurns
+    model, tok, tmpl = llama
+    task = _easy("get_balance")
+    aid = task.payload["required_calls"][0]["arguments"]["account_id"]
+    acts = [assistant_text(task.gold[0]), "The balance is 1234.56 USD."]
+    tools = [json.dumps({"account_id": aid, "balance": 1234.56, "currency": "USD"}, separators=(",", ":"))]
+    eng = RolloutEngine(model, tok, RolloutConfig(mode="rehearse", measure_fidelity=True, max_new_tokens=80,
+                                                  max_episode_tokens=2048, max_turns=3),
+                        template=tmpl, logits_processor=ScriptedTurns(tmpl, acts, tools))
+    res = eng.rollout([task], EASY, group_size=2, seed=0)
+    cfg = WorldRewardConfig(mode="world", grounded_weight=1.0)
+    assign_rewards(res.episodes, res.trajectories, [task], EASY, task_reward="consistent", world=cfg)
+    for ep in res.episodes:
+        assert ep.metadata["stop_reason"] == "final_answer", ep.metadata
+        assert ep.reward == 1.0 and ep.metadata["reward_real"] == 0.0
+        g = ep.metadata["fidelity"][0]["field_f1"]
+        assert 0 < g < 1                                   # account_id and currency right, balance wrong
+        assert ep.role_rewards[int(Role.REHEARSE)] == pytest.approx((1.0 + g) / 2)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from fastrehearse.model.loader import load_model
+    from fastrehearse.rollout.template import ChatTemplate
+    model, tok = load_model("tiny-llama")
+    return model, tok, ChatTemplate(tok)
