@@ -241,7 +241,7 @@ def case_overwrite(base, tmp):
 
 def case_resume_lr(base, tmp):
     from fastrehearse.train.config import load_config
-    from fastrehearse.train.loop import LRSchedule
+    from fastrehearse.train.build import LRSchedule
     d = copy(base, tmp, "resume_lr")
     p = train(d, "steps=5", "optim.lr=1e-3", args=["--resume"])
     no_traceback(p)

@@ -10,7 +10,9 @@ import torch
 from fastrehearse.data import Episode
 from fastrehearse.kernels.roles import Role
 from fastrehearse.train.config import load_config
-from fastrehearse.train.loop import compute_advantages, policy_update, setup
+from fastrehearse.algo import compute_advantages
+from fastrehearse.train.build import setup
+from fastrehearse.train.update import policy_update
 from fastrehearse.train.parallelize import destroy_distributed, init_distributed
 from fastrehearse.algo import AdvantageConfig
 

@@ -55,11 +55,12 @@ def test_engine_eval_matches_the_recorded_hf_generate_reference(tmp_path, refere
 
 
 def test_trainer_held_out_number_equals_fastrehearse_eval(tmp_path, monkeypatch):
-    """The trainer's eval (train/loop.py evaluate) and `fastrehearse eval` on its exported checkpoint,
+    """The trainer's eval (train/rollouts.py evaluate) and `fastrehearse eval` on its exported checkpoint,
     same items, limits and seed: the same per-item scores, steps, sampled tokens and transcripts
     (sampled at temperature 1, so equal transcripts mean equal prompts, seeds and sampling), and the
     same success and fidelity numbers."""
     from fastrehearse.eval import runner
+    from fastrehearse.train import rollouts
     from fastrehearse.train.config import load_config
     from fastrehearse.train.loop import train
 
@@ -70,7 +71,8 @@ def test_trainer_held_out_number_equals_fastrehearse_eval(tmp_path, monkeypatch)
             super().__init__()
             stores.append(self)
 
-    monkeypatch.setattr(runner, "MemoryStore", Recording)
+    monkeypatch.setattr(runner, "MemoryStore", Recording)     # the fidelity pass's scratch store
+    monkeypatch.setattr(rollouts, "MemoryStore", Recording)   # the trainer's store (stores[0])
     run_dir = tmp_path / "run"
     cfg = load_config("configs/smoke.yaml", [f"run_dir={run_dir}", "steps=1", "sft.steps=1", "eval.num_tasks=3",
                                              "eval.before=false", "eval.temperature=1.0", "eval.fidelity=true"])

@@ -64,7 +64,7 @@ def test_reuse_is_refused_and_overwrite_keeps_the_new_run(base, tmp_path):
 def test_resume_follows_a_changed_lr_and_steps(base, tmp_path):
     """--resume used to restore the old LR schedule (LambdaLR state) while config.yaml said the new."""
     from fastrehearse.train.config import load_config
-    from fastrehearse.train.loop import LRSchedule
+    from fastrehearse.train.build import LRSchedule
     d = _copy(base, tmp_path)
     old_cfg = (d / "config.yaml").read_text()
     out = _train(d, "steps=5", "optim.lr=1e-3", args=["--resume"])

@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastrehearse.train import loop
+from fastrehearse.train.build import setup
+from fastrehearse.train.loop import rl_step
 from fastrehearse.train.checkpoint import Checkpointer
-from fastrehearse.train.config import load_config
+from fastrehearse.train.config import load_config, warnings_for
 from fastrehearse.train.errors import DiskFullError, TrainingError
 from fastrehearse.train.metrics import MetricsLogger, read_metrics
 from fastrehearse.train.parallelize import DistInfo, init_distributed
+from fastrehearse.train.update import policy_update
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +29,7 @@ def run(tmp_path_factory):
     d = tmp_path_factory.mktemp("faults")
     cfg = load_config(ROOT / "configs/smoke.yaml", [f"run_dir={d}", "eval.num_tasks=0",
                                                     "max_consecutive_skips=2", "rollout.group_size=1"])
-    return loop.setup(cfg, init_distributed("cpu"))
+    return setup(cfg, init_distributed("cpu"))
 
 
 def _params(run):
@@ -41,13 +43,13 @@ def test_nonfinite_update_is_rolled_back_and_counted_then_stops(run):
     eps = episodes(len(run.tokenizer))
     compute_advantages(eps, AdvantageConfig())
     run.state.consecutive_skips = run.state.skipped_steps = 0
-    loop.policy_update(run, eps, stage="sft")             # healthy step: Adam moments exist
+    policy_update(run, eps, stage="sft")             # healthy step: Adam moments exist
     before = _params(run)
     moments = {k: v.clone() for k, v in run.optimizer.state[next(iter(run.policy.parameters()))].items()}
     for g in run.optimizer.param_groups:
         g["lr"] = float("inf")
     try:
-        row = loop.policy_update(run, eps, stage="sft")
+        row = policy_update(run, eps, stage="sft")
         assert row["skipped"] == 1 and run.state.skipped_steps == 1
         for n, p in run.policy.named_parameters():         # rolled back exactly, finite
             assert torch.equal(p, before[n]), n
@@ -55,7 +57,7 @@ def test_nonfinite_update_is_rolled_back_and_counted_then_stops(run):
         for k, v in moments.items():                       # Adam moments and step count too
             assert torch.equal(st[k], v), k
         with pytest.raises(TrainingError, match="2 consecutive steps skipped.*non-finite weights"):
-            loop.policy_update(run, eps, stage="sft")
+            policy_update(run, eps, stage="sft")
     finally:
         for g in run.optimizer.param_groups:
             g["lr"] = run.cfg.optim.lr
@@ -151,9 +153,9 @@ def test_disk_full_is_recognised_from_torch_short_writes(tmp_path, monkeypatch):
 def test_group_size_one_reports_zero_signal_honestly(run):
     """zero_signal_groups was 0.0 with group_size=1 while every advantage was 0."""
     run.state.consecutive_skips = 0
-    row = loop.rl_step(run)
+    row = rl_step(run)
     assert row["zero_signal_groups"] == 1.0
-    assert any("group_size=1" in w for w in loop.warnings_for(run.cfg))
+    assert any("group_size=1" in w for w in warnings_for(run.cfg))
 
 
 def test_tensorboard_writer_mirrors_metrics(tmp_path):

@@ -10,7 +10,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _train_dist_worker import episodes  # noqa: E402
 
 from fastrehearse.algo import AdvantageConfig, compute_advantages  # noqa: E402
-from fastrehearse.train import loop  # noqa: E402
+from fastrehearse.train.build import LRSchedule, setup  # noqa: E402
+from fastrehearse.train.errors import TrainingError  # noqa: E402
+from fastrehearse.train.rollouts import rollout  # noqa: E402
+from fastrehearse.train.tasks import next_tasks  # noqa: E402
+from fastrehearse.train.update import policy_update  # noqa: E402
 from fastrehearse.train.config import load_config  # noqa: E402
 from fastrehearse.train.parallelize import init_distributed  # noqa: E402
 
@@ -20,7 +24,7 @@ def run(tmp_path_factory):
     d = tmp_path_factory.mktemp("guards")
     cfg = load_config("configs/smoke.yaml", [f"run_dir={d}", "eval.num_tasks=0", "max_tokens=64",
                                              "rollout.max_episode_tokens=64", "max_consecutive_skips=2"])
-    return loop.setup(cfg, init_distributed("cpu"))
+    return setup(cfg, init_distributed("cpu"))
 
 
 def test_nonfinite_steps_are_skipped_then_stop(run):
@@ -31,16 +35,16 @@ def test_nonfinite_steps_are_skipped_then_stop(run):
     with torch.no_grad():
         norm[0] = float("nan")                     # every hidden state -> NaN loss
     before = {n: p.detach().clone() for n, p in run.policy.named_parameters()}
-    row = loop.policy_update(run, eps, stage="sft")
+    row = policy_update(run, eps, stage="sft")
     assert row["skipped"] == 1 and row["loss"] != row["loss"]
     for n, p in run.policy.named_parameters():     # nothing applied (NaN compares unequal: nan_to_num)
         assert torch.equal(torch.nan_to_num(p), torch.nan_to_num(before[n])), n
-    with pytest.raises(loop.TrainingError, match="2 consecutive steps skipped.*max_consecutive_skips=2"):
-        loop.policy_update(run, eps, stage="sft")
+    with pytest.raises(TrainingError, match="2 consecutive steps skipped.*max_consecutive_skips=2"):
+        policy_update(run, eps, stage="sft")
     with torch.no_grad():
         norm.copy_(saved)
     run.state.consecutive_skips = 0
-    row = loop.policy_update(run, eps, stage="sft")   # healthy again: applied, counter reset
+    row = policy_update(run, eps, stage="sft")   # healthy again: applied, counter reset
     assert "skipped" not in row and run.state.consecutive_skips == 0 and run.state.skipped_steps == 2
 
 
@@ -54,7 +58,7 @@ def test_rollout_failures_are_counted_not_fatal(run, monkeypatch):
             raise RuntimeError("simulated engine crash")
         return real(self, tasks, envs, **kw)
     monkeypatch.setattr(eng.RolloutEngine, "rollout", flaky)
-    eps, _, failures = loop.rollout(run, run.train_tasks[:3], mode="rehearse", temperature=1.0, seed=0,
+    eps, _, failures = rollout(run, run.train_tasks[:3], mode="rehearse", temperature=1.0, seed=0,
                                     group_size=2, measure_fidelity=False)
     assert failures == 1 and len(eps) == 4
     assert {e.task_id for e in eps} == {run.train_tasks[0].id, run.train_tasks[2].id}
@@ -64,12 +68,12 @@ def test_lr_schedule_and_task_stream():
     cfg = load_config("configs/smoke.yaml", ["sft.steps=2", "sft.lr=1e-3", "sft.warmup_steps=2",
                                              "steps=10", "optim.lr=1e-4", "optim.warmup_steps=2",
                                              "optim.min_lr_ratio=0.1"])
-    f = loop.LRSchedule(cfg)
+    f = LRSchedule(cfg)
     assert [round(f(s), 6) for s in range(4)] == [5.0, 10.0, 0.5, 1.0]   # x optim.lr
     rl = [f(s) for s in range(4, 12)]                                    # cosine, decreasing
     assert all(a > b for a, b in zip(rl, rl[1:])) and rl[-1] > 0.1
     assert f(12) == pytest.approx(0.1) and f(50) == pytest.approx(0.1)   # floor after the last step
     tasks = list(range(5))
-    stream = loop._next_tasks(tasks, 0, 10, seed=3)
+    stream = next_tasks(tasks, 0, 10, seed=3)
     assert sorted(stream[:5]) == tasks and sorted(stream[5:]) == tasks   # each epoch a permutation
-    assert loop._next_tasks(tasks, 4, 3, seed=3) == stream[4:7]           # cursor resumes exactly
+    assert next_tasks(tasks, 4, 3, seed=3) == stream[4:7]           # cursor resumes exactly

@@ -1,4 +1,4 @@
-"""The trainer's loss heads (train/loop.py: RL loss, SFT CE, old/ref log-probs) pass the model's
+"""The trainer's loss heads (train/heads.py and train/update.py: RL loss, SFT CE, old/ref log-probs) pass the model's
 LM-head settings to the kernels: on a tiny Cohere (logit_scale) and a Qwen2 with an lm_head bias,
 the log-probs the trainer computes equal the model's own forward (fp32, 1e-5)."""
 import pytest
@@ -8,7 +8,8 @@ from fastrehearse.data import Episode
 from fastrehearse.model import RehearsalModel, use_varlen_attention
 from fastrehearse.packing import build_packed_batch
 from fastrehearse.train.config import TrainConfig
-from fastrehearse.train.loop import _rl_head, _sft_head, compute_logprobs
+from fastrehearse.train.heads import rl_head, sft_head
+from fastrehearse.train.update import compute_logprobs
 
 from test_kernel_model_heads import _eager_reference, _prepare, VOCAB
 
@@ -31,13 +32,13 @@ def test_trainer_heads_use_the_model_head(name):
     counts = torch.zeros(4, dtype=torch.float64)
     counts[1] = float(keep.sum())
     cfg.sft.w_act = 1.0
-    ce = wrapped(batch, _sft_head(cfg, batch, counts))
+    ce = wrapped(batch, sft_head(cfg, batch, counts))
     assert float((ce.logp[keep].double() - ref).abs().max()) <= 1e-5
 
     batch.advantages = torch.ones(batch.num_tokens)
     batch.old_logp = lp.clone()
     batch.ref_logp = None
-    out = wrapped(batch, _rl_head(cfg, batch, counts, None))
+    out = wrapped(batch, rl_head(cfg, batch, counts, None))
     out.loss.backward()     # on-policy ratio 1: loss = -mean(A) over ACT tokens, gradient flows
     assert torch.isfinite(out.loss)
     assert model.get_output_embeddings().weight.grad is not None
@@ -48,7 +49,7 @@ def test_triton_fused_kernel_backend():
     (Triton interpreter here) and equal the model's own forward; a head it cannot apply (an
     lm_head bias) is refused when the model is known, naming the key."""
     from fastrehearse.train.config import ConfigError
-    from fastrehearse.train.loop import check_kernel_backend
+    from fastrehearse.train.build import check_kernel_backend
     cfg = TrainConfig()
     cfg.model.kernel_backend = "triton-fused"
     model = _prepare("cohere")                      # a positive logit scale: folded into 1/T
@@ -69,7 +70,7 @@ def test_triton_fused_kernel_backend():
     for backend in ("triton", "triton-fused"):
         cfg.model.kernel_backend = backend
         model.zero_grad()
-        RehearsalModel(model)(batch, _rl_head(cfg, batch, counts, None)).loss.backward()
+        RehearsalModel(model)(batch, rl_head(cfg, batch, counts, None)).loss.backward()
         grads[backend] = model.get_output_embeddings().weight.grad.clone()
     assert torch.equal(grads["triton"], grads["triton-fused"])
     cfg.model.kernel_backend = "triton-fused"

@@ -1,0 +1,182 @@
+"""Building a run: the model (policy, reference, generation copy), its checks, the optimizer and the
+LR schedule, the logger -- everything `setup` returns as a `Run`."""
+from __future__ import annotations
+
+import copy
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from torch import nn
+
+from fastrehearse import model as fm
+from fastrehearse.kernels._common import check_fused_forward
+from fastrehearse.kernels._head import build_head
+from fastrehearse.model import RehearsalModel, head_kwargs
+from fastrehearse.model.loader import ModelSpecError
+
+from .config import ConfigError, TrainConfig, to_dict
+from .metrics import MetricsLogger
+from .parallelize import DistInfo, parallelize
+from .tasks import build_tasks
+
+
+@dataclass
+class TrainState:
+    """Everything besides model/optimizer that a resumed run needs (checkpointed by rank 0)."""
+    step: int = 0                  # optimizer steps taken (SFT steps first, then RL steps)
+    sft_cursor: int = 0            # gold tasks consumed
+    rl_cursor: int = 0             # RL tasks consumed
+    consecutive_skips: int = 0
+    skipped_steps: int = 0
+    rollout_failures: int = 0
+    eval_before: dict | None = None
+    scheduler: dict = field(default_factory=dict)
+
+
+@dataclass
+class Run:
+    """The objects one training run holds (built once by `setup`)."""
+    cfg: TrainConfig
+    info: DistInfo
+    policy: nn.Module              # RehearsalModel (FSDP2-sharded when distributed)
+    hf_model: nn.Module            # the transformers model inside `policy`
+    gen_model: nn.Module           # what the rollout engine decodes with (unsharded)
+    ref: nn.Module | None          # frozen reference for the KL term
+    tokenizer: object
+    suite: object
+    train_tasks: list
+    eval_tasks: list
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    state: TrainState
+    logger: MetricsLogger
+    stop_requested: bool = False
+    template: object = None        # ChatTemplate for gold trajectories (built on first use)
+    config_text: str = ""          # config.yaml of this run (also stored in each checkpoint)
+
+
+
+def apply_optim_settings(run: Run) -> None:
+    """After a checkpoint loads: the optimizer's hyper-parameters and the LR schedule follow the
+    current config from the resumed step on (the checkpoint holds the old ones). With an unchanged
+    config this gives the uninterrupted run's lr exactly: LambdaLR computes base_lr * f(step)."""
+    o, step = run.cfg.optim, run.state.step
+    fn = LRSchedule(run.cfg)
+    groups = run.optimizer.param_groups
+    for g in groups:
+        g.update(initial_lr=o.lr, lr=o.lr * fn(step), betas=tuple(o.betas), eps=o.eps,
+                 weight_decay=o.weight_decay)
+    run.scheduler.lr_lambdas = [fn] * len(groups)
+    run.scheduler.base_lrs = [o.lr] * len(groups)
+    run.scheduler.last_epoch = step
+    run.scheduler._last_lr = [g["lr"] for g in groups]
+
+
+def setup(cfg: TrainConfig, info: DistInfo) -> Run:
+    seed_everything(cfg.seed)
+    run_dir = Path(cfg.run_dir)
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    # The suite and its tasks first: a bad suite option or split fails before the model loads.
+    suite, train_tasks, eval_tasks = build_tasks(cfg)
+    hf_model, tokenizer = load_policy_model(cfg)
+    ref = copy.deepcopy(hf_model).requires_grad_(False) if cfg.algo.loss.kl_coef > 0 else None
+    # Rollouts need the whole model on every rank; a sharded model would all-gather per decode
+    # step and force every rank to decode in lockstep. So sharded runs keep an unsharded copy for
+    # generation (bf16 on GPU) and refresh it after each update (verl does the same with vLLM).
+    if info.sharded:
+        gen_model = copy.deepcopy(hf_model).requires_grad_(False)
+        if info.device.type == "cuda" and cfg.model.precision != "fp32":
+            gen_model.to(torch.bfloat16)
+        gen_model.to(info.device)
+    else:
+        gen_model = hf_model
+
+    check_kernel_backend(cfg, hf_model)
+    policy = RehearsalModel(hf_model)
+    policy = parallelize(policy, info, precision=cfg.model.precision,
+                         activation_checkpointing=cfg.model.activation_checkpointing)
+    if ref is not None:
+        ref = parallelize(RehearsalModel(ref), info, precision=cfg.model.precision)
+
+    o = cfg.optim
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=o.lr,
+                                  betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=LRSchedule(cfg))
+
+    logger = MetricsLogger(run_dir, enabled=info.is_main, total_steps=cfg.sft.steps + cfg.steps,
+                           progress=cfg.log.progress, plot_every=cfg.log.plot_every,
+                           tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
+                           wandb_project=cfg.log.wandb_project, config=to_dict(cfg))
+    if info.is_main:
+        n_params = sum(p.numel() for p in hf_model.parameters())
+        logger.write(f"fastrehearse: {cfg.model.spec} ({n_params / 1e6:.1f}M params) on "
+                     f"{cfg.env.suite} | world {info.world_size} ({info.backend or 'single process'}, "
+                     f"{info.device}) | {len(train_tasks)} train / {len(eval_tasks)} eval tasks | "
+                     f"run_dir {run_dir}")
+    return Run(cfg, info, policy, hf_model, gen_model, ref, tokenizer, suite, train_tasks, eval_tasks,
+               optimizer, scheduler, TrainState(), logger,
+               config_text=yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def check_kernel_backend(cfg: TrainConfig, hf_model) -> None:
+    """model.kernel_backend 'triton-fused' cannot apply an LM-head bias or soft-cap: refused once
+    the model's head is known, before any rollout (a ConfigError naming the key and the head)."""
+    if cfg.model.kernel_backend != "triton-fused":
+        return
+    kw = head_kwargs(hf_model)
+    head, _ = build_head(kw.get("bias"), kw.get("logit_softcap"), kw.get("logit_scale"),
+                         hf_model.get_output_embeddings().weight, 1.0)
+    try:
+        check_fused_forward("triton-fused", head)
+    except ValueError as e:
+        raise ConfigError(f"config key 'model.kernel_backend' = 'triton-fused' with model "
+                          f"{cfg.model.spec!r}: {e}") from None
+
+
+
+def load_policy_model(cfg: TrainConfig):
+    """(model, tokenizer) in fp32 (FSDP2 keeps fp32 master weights; bf16 is a compute cast).
+
+    A spec that cannot load fails with a ConfigError naming the path (files are checked before
+    any weights are read); model.options are a tiny-* model's sizes."""
+    try:
+        return fm.load_model(cfg.model.spec, dtype=torch.float32, seed=cfg.seed, options=cfg.model.options)
+    except ModelSpecError as e:
+        raise ConfigError(f"{e} (config key 'model.spec')") from None
+
+
+class LRSchedule:
+    """Multiplier of optim.lr at optimizer step s (a class, so the scheduler state pickles).
+
+    SFT steps: linear warm-up to sft.lr then constant. RL steps: linear warm-up over
+    optim.warmup_steps, then cosine from optim.lr down to optim.lr * min_lr_ratio.
+    """
+
+    def __init__(self, cfg: TrainConfig):
+        self.sft_steps, self.sft_warm = cfg.sft.steps, cfg.sft.warmup_steps
+        self.sft_scale = cfg.sft.lr / cfg.optim.lr if cfg.optim.lr > 0 else 0.0
+        self.steps, self.warm, self.floor = cfg.steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio
+
+    def __call__(self, s: int) -> float:
+        if s < self.sft_steps:
+            return self.sft_scale * min(1.0, (s + 1) / max(1, self.sft_warm))
+        s -= self.sft_steps
+        if s < self.warm:
+            return (s + 1) / self.warm
+        span = max(1, self.steps - self.warm)
+        progress = min(1.0, (s - self.warm) / span)
+        return self.floor + (1 - self.floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+

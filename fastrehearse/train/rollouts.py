@@ -1,0 +1,129 @@
+"""Rollouts and evaluation inside a training run: this rank's episodes for a step (a failing batch
+retried task by task), the held-out evaluation (the code of `fastrehearse eval`), and keeping the
+generation model in step with the trained weights."""
+from __future__ import annotations
+
+import time
+
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
+
+from fastrehearse.data import Episode
+from fastrehearse.eval.runner import EvalSettings, MemoryStore, evaluate_items
+from fastrehearse.rollout.engine import RolloutEngine
+from fastrehearse.rollout.policy import ModelPolicy
+
+from .build import Run
+from .errors import TrainingError
+from .export import hf_prefix
+from .parallelize import all_gather_object
+
+
+def rollout(run: Run, tasks, *, mode: str, temperature: float, seed: int, group_size: int,
+            measure_fidelity: bool) -> tuple[list[Episode], dict, int]:
+    """Episodes for `tasks` on this rank. An engine exception on the batch is retried task by task;
+    tasks that still fail are counted (not fatal)."""
+    if not tasks:
+        return [], {}, 0
+    ecfg = run.cfg.rollout.engine(mode=mode, measure_fidelity=measure_fidelity, temperature=temperature)
+    engine = RolloutEngine(run.gen_model, run.tokenizer, ecfg)
+    run.gen_model.eval()
+    try:
+        res = engine.rollout(tasks, run.suite, group_size=group_size, seed=seed)
+        return res.episodes, res.metrics, 0
+    except Exception as e:  # noqa: BLE001 - any engine bug: isolate the failing task(s)
+        run.logger.write(f"rollout failed on a batch of {len(tasks)} tasks ({type(e).__name__}: {e}); "
+                         f"retrying one task at a time")
+    episodes, metrics, failures = [], {}, 0
+    for i, t in enumerate(tasks):
+        try:
+            res = engine.rollout([t], run.suite, group_size=group_size, seed=seed * 1000 + i)
+            episodes += res.episodes
+            metrics = res.metrics
+        except Exception as e:  # noqa: BLE001
+            failures += 1
+            run.logger.write(f"rollout failed for task {t.id}: {type(e).__name__}: {e}")
+    return episodes, metrics, failures
+
+
+def evaluate(run: Run, *, tag: str) -> dict:
+    """Held-out success (eval.mode, greedy by default) and world-model fidelity, over all ranks,
+    computed by the evaluation code of `fastrehearse eval` (fastrehearse.eval.runner): the same
+    checkpoint, items, limits and seed give the same per-item numbers as
+    `fastrehearse eval --max-steps <rollout.max_turns> --max-new-tokens <rollout.max_new_tokens>
+    --max-episode-tokens <rollout.max_episode_tokens> --seed <seed>`. A task that could not run is
+    an error, never a 0; when none could run the eval (and the run) stops with TrainingError."""
+
+    cfg, info = run.cfg, run.info
+    if not run.eval_tasks:
+        return {}
+    mine = run.eval_tasks[info.rank::info.world_size]
+    t0 = time.perf_counter()
+    rc = cfg.rollout
+    settings = EvalSettings(
+        max_turns=rc.max_turns, max_new_tokens=rc.max_new_tokens, max_episode_tokens=rc.max_episode_tokens,
+        temperature=cfg.eval.temperature, top_p=rc.top_p, mode=cfg.eval.mode, batch_size=rc.max_batch_size,
+        seed=cfg.seed, fidelity=cfg.eval.fidelity,
+        engine_options={k: getattr(rc, k) for k in ("hybrid_p", "parallel_tool_calls", "on_malformed",
+                                                    "max_chunk", "rehearsal")})
+    run.gen_model.eval()
+    store = MemoryStore()
+    evaluate_items([(cfg.env.eval_split, t) for t in mine], lambda c: run.suite.make_env(), run.gen_model,
+                   run.tokenizer, ModelPolicy(), store, settings)
+    local = [(r.score, r.error, (r.fidelity or {}).get("field_f1"), int((r.fidelity or {}).get("calls", 0)))
+             for r in store.items()]
+    rows = [x for part in all_gather_object(local, info) for x in part]
+    scores = [s for s, e, _, _ in rows if e is None]
+    errors = [e for _, e, _, _ in rows if e is not None]
+    calls = sum(c for s, e, f, c in rows if e is None and f is not None)
+    f1 = sum(f * c for s, e, f, c in rows if e is None and f is not None)
+    out = {"success": sum(scores) / len(scores) if scores else float("nan"), "n": len(scores),
+           "errors": len(errors), "fidelity": f1 / calls if calls else float("nan"), "fidelity_n": calls,
+           "seconds": round(time.perf_counter() - t0, 2)}
+    if not scores:
+        raise TrainingError(f"eval {tag}: none of the {len(rows)} held-out tasks could run "
+                            f"(first error: {errors[0] if errors else 'none'})")
+    run.logger.write(f"eval {tag}: success {out['success']:.3f} on {out['n']} held-out tasks, "
+                     f"fidelity {out['fidelity']:.3f} ({out['fidelity_n']} rehearsed calls)"
+                     + (f"; {len(errors)} task(s) could not run (not scored): {errors[0]}" if errors else ""))
+    return out
+
+
+
+def sync_generation_weights(run: Run) -> None:
+    """Copy the updated weights into the unsharded generation model (distributed runs only)."""
+    if run.gen_model is run.hf_model:
+        return
+    sd = get_model_state_dict(run.policy, options=StateDictOptions(full_state_dict=True))
+    prefix = hf_prefix(run.policy, run.hf_model)
+    sd = {k[len(prefix):].replace("_checkpoint_wrapped_module.", ""): v for k, v in sd.items()
+          if k.startswith(prefix)}
+    run.gen_model.load_state_dict(sd, strict=False)
+
+
+
+def slim_episode(ep: Episode) -> Episode:
+    """Drop heavy metadata (trajectories) before sending episodes to other ranks."""
+    keep = {k: ep.metadata[k] for k in ("group", "sample", "stop_reason", "turns", "malformed", "fidelity")
+            if k in ep.metadata}
+    return Episode(input_ids=ep.input_ids, roles=ep.roles, task_id=ep.task_id, reward=ep.reward,
+                   rollout_logprobs=ep.rollout_logprobs, role_rewards=dict(ep.role_rewards), metadata=keep)
+
+
+def rollout_row(episodes: list[Episode], metrics: list[dict], rollout_s: float) -> dict:
+    row = {"episodes": len(episodes)}
+    if episodes:
+        row["reward"] = sum(e.reward for e in episodes) / len(episodes)
+        row["episode_tokens"] = sum(len(e) for e in episodes) / len(episodes)
+        row["malformed_frac"] = sum(1 for e in episodes if e.metadata.get("malformed")) / len(episodes)
+    fid = [s["field_f1"] for e in episodes for s in e.metadata.get("fidelity", [])]
+    if fid:
+        row["fidelity"] = sum(fid) / len(fid)
+    tok = sum(m.get("prefill_tokens", 0) + m.get("decode_tokens", 0) for m in metrics if m)
+    if rollout_s > 0 and tok:
+        row["rollout_tokens_per_s"] = tok / rollout_s
+    return row
+
+

@@ -1,0 +1,228 @@
+"""The policy update: pack a step's episodes, old / reference log-probs, the fused role-wise loss
+per micro-batch (each role divided by its global token count), clipping, AdamW, and the guards
+that skip (and roll back) a non-finite step."""
+from __future__ import annotations
+
+import copy
+import math
+import time
+
+import torch
+from torch import nn
+
+from fastrehearse.algo import local_counts, token_weights
+from fastrehearse.data import Episode
+from fastrehearse.kernels import linear_logprobs
+from fastrehearse.kernels.roles import Role
+from fastrehearse.packing import pack
+
+from .build import Run
+from .checkpoint import Checkpointer
+from .config import TrainConfig
+from .errors import TrainingError
+from .heads import rl_head, sft_head
+from .parallelize import DistInfo, all_gather_object, all_reduce_sum
+
+
+def policy_update(run: Run, episodes: list[Episode], *, stage: str) -> dict:
+    """Pack `episodes` (the same global list on every rank), then `updates_per_batch` optimizer
+    steps of the fused role-wise loss (stage "rl") or of masked CE (stage "sft")."""
+    cfg, info = run.cfg, run.info
+    packed = pack(episodes, cfg.max_tokens, num_ranks=info.world_size, overlong="truncate_right")
+    batches = [b.to(info.device) for b in (packed[info.rank] if info.distributed else packed)]
+    counts = all_reduce_sum(local_counts(batches), info)            # [2, NUM_ROLES] global
+    n_tokens = int(all_reduce_sum(torch.tensor([float(sum(b.num_tokens for b in batches))],
+                                                dtype=torch.float64), info).item())
+    weights = None
+    if stage == "rl" and cfg.algo.aggregation != "token-mean":
+        weights = token_weights(batches, cfg.algo.aggregation, counts,
+                                norm_len=cfg.algo.norm_len or cfg.rollout.max_episode_tokens)
+    if stage == "rl":
+        _fill_old_and_ref_logp(run, batches)
+        bad = sum(int((~torch.isfinite(b.old_logp)).sum()) for b in batches)
+        if run.ref is not None:
+            bad += sum(int((~torch.isfinite(b.ref_logp)).sum()) for b in batches)
+        if all_reduce_sum(torch.tensor([float(bad)], dtype=torch.float64), info).item() > 0:
+            return skip_step(run, {"train_tokens": n_tokens}, reason=f"{bad} non-finite old/reference log-probs")
+
+    out = {}
+    t0 = time.perf_counter()
+    for _ in range(cfg.algo.updates_per_batch if stage == "rl" else 1):
+        out = _one_update(run, batches, counts, weights, stage)
+    dt = time.perf_counter() - t0
+    out.update(train_tokens=n_tokens, train_s=round(dt, 3),
+               tokens_per_s=n_tokens * (cfg.algo.updates_per_batch if stage == "rl" else 1) / dt)
+    for r in (Role.ACT, Role.REHEARSE, Role.OBSERVED):
+        out[f"tokens_{r.name.lower()}"] = int(counts[0, int(r)].item())
+    return out
+
+
+def _one_update(run: Run, batches, counts, weights, stage: str) -> dict:
+    cfg, info = run.cfg, run.info
+    run.policy.train()
+    run.optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    stats = _LossStats()
+    for i, b in enumerate(batches):
+        if stage == "rl":
+            head = rl_head(cfg, b, counts[0], None if weights is None else weights[i])
+        else:
+            head = sft_head(cfg, b, counts[0])
+        res = run.policy(b, head)
+        res.loss.backward()
+        loss_sum += res.loss.detach().double().cpu()
+        stats.add(res)
+    loss = float(all_reduce_sum(loss_sum.reshape(1), info).item())
+    grad_norm = _clip_grad_norm(run.policy, cfg.optim.grad_clip)
+    row = {"loss": loss, "grad_norm": grad_norm, **stats.summary(info)}
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        run.optimizer.zero_grad(set_to_none=True)
+        return skip_step(run, row, reason=f"non-finite loss {loss} / grad norm {grad_norm}")
+    snap = _snapshot(run) if cfg.optim.rollback_nonfinite else None
+    try:
+        run.optimizer.step()
+        bad = sum(int(not bool(torch.isfinite(_local(p)).all())) for p in run.policy.parameters())
+    except RuntimeError as e:   # AdamW's step size beyond float32 ("... without overflow")
+        if "overflow" not in str(e):
+            raise
+        bad = 1
+    if all_reduce_sum(torch.tensor([float(bad)], dtype=torch.float64), info).item() > 0:
+        run.optimizer.zero_grad(set_to_none=True)
+        if snap is None:
+            raise TrainingError(f"step {run.state.step + 1}: the update left non-finite weights and "
+                                f"optim.rollback_nonfinite is off; stopping (lower optim.lr)")
+        _restore(run, snap)
+        return skip_step(run, row, reason=f"the update left non-finite weights (lr {run.optimizer.param_groups[0]['lr']:.3g}); rolled back")
+    run.state.consecutive_skips = 0
+    return row
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _snapshot(run: Run):
+    """Copies of this rank's parameter shards and optimizer state, to undo one optimizer step."""
+    params = [p for g in run.optimizer.param_groups for p in g["params"]]
+    saved = []
+    for p in params:
+        st = run.optimizer.state.get(p)
+        saved.append((_local(p).clone(),
+                      None if st is None else {k: (_local(v).clone() if torch.is_tensor(v) else copy.deepcopy(v))
+                                               for k, v in st.items()}))
+    return params, saved
+
+
+@torch.no_grad()
+def _restore(run: Run, snap) -> None:
+    params, saved = snap
+    for p, (value, st) in zip(params, saved):
+        _local(p).copy_(value)
+        if st is None:
+            run.optimizer.state.pop(p, None)
+            continue
+        cur = run.optimizer.state[p]
+        for k, v in st.items():
+            if torch.is_tensor(v) and torch.is_tensor(cur.get(k)):
+                _local(cur[k]).copy_(v)
+            else:
+                cur[k] = v
+
+
+def skip_step(run: Run, row: dict, reason: str) -> dict:
+    st = run.state
+    st.consecutive_skips += 1
+    st.skipped_steps += 1
+    run.logger.write(f"step {st.step + 1} skipped ({reason}); {st.consecutive_skips} in a row")
+    if st.consecutive_skips >= run.cfg.max_consecutive_skips:
+        ckpt = Checkpointer(run.cfg.run_dir, run.info).latest()
+        raise TrainingError(f"{st.consecutive_skips} consecutive steps skipped (last: {reason}); "
+                            f"stopping (max_consecutive_skips={run.cfg.max_consecutive_skips}). "
+                            f"Lower optim.lr or check the data. Last complete checkpoint: {ckpt}")
+    return {**row, "skipped": 1}
+
+
+
+def _fill_old_and_ref_logp(run: Run, batches) -> None:
+    """old_logp: the rollout's own log-probs when strictly on-policy (one update per batch and every
+    sampled token has one), else one no-grad forward of the current policy. ref_logp when KL is on.
+    Tokens that were not sampled (OBSERVED, CONTEXT) have no behaviour log-prob (NaN from the
+    rollout); they use no ratio, so they get 0."""
+    cfg = run.cfg
+    for b in batches:
+        sampled = (b.roles == int(Role.ACT)) | (b.roles == int(Role.REHEARSE))
+        b.old_logp = torch.where(sampled, b.old_logp, torch.zeros_like(b.old_logp))
+    reuse = cfg.algo.updates_per_batch == 1 and all(bool(torch.isfinite(b.old_logp).all()) for b in batches)
+    if not reuse:
+        for b, lp in zip(batches, compute_logprobs(run.policy, batches, cfg)):
+            sampled = (b.roles == int(Role.ACT)) | (b.roles == int(Role.REHEARSE))
+            b.old_logp = torch.where(sampled, lp, torch.zeros_like(lp))
+    if run.ref is not None:
+        for b, lp in zip(batches, compute_logprobs(run.ref, batches, cfg)):
+            b.ref_logp = lp
+
+
+@torch.no_grad()
+def compute_logprobs(module: nn.Module, batches, cfg: TrainConfig) -> list[torch.Tensor]:
+    """[T] log-prob of every loss-bearing target under `module` (0 elsewhere), no grad."""
+    temp = cfg.algo.loss.temperature   # == rollout.temperature (1.0 when greedy); config.validate
+    module.eval()
+    out = []
+    for b in batches:
+        out.append(module(b, lambda h, w, **head_kw: linear_logprobs(
+            h, w, b.targets, mask=b.roles != 0, temperature=temp,
+            backend=cfg.model.kernel_backend, **head_kw)[0]).float())
+    return out
+
+
+def _clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Global grad norm (DTensor-aware, as torchtitan) and clipping; returns the pre-clip norm."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    if max_norm > 0 and torch.isfinite(norm):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return float(norm)
+
+
+class _LossStats:
+    """The kernel's per-role metrics over micro-batches and ranks: token-weighted means (ratio,
+    clip fraction, KL, entropy, NLL) and sums (each role's share of the loss)."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+
+    def _add(self, key: str, v: float) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + v
+
+    def add(self, res) -> None:
+        for role, d in (getattr(res, "metrics", None) or {}).items():
+            n = float(d.get("tokens", 0) or 0)
+            if n <= 0:
+                continue
+            self._add(f"{role}/n", n)
+            for k, v in d.items():
+                if k == "tokens" or not isinstance(v, (int, float)) or not math.isfinite(v):
+                    continue
+                self._add(f"{role}/{k}", float(v) if k == "loss" else float(v) * n)
+
+    def summary(self, info: DistInfo) -> dict:
+        keys = sorted(set().union(*all_gather_object(sorted(self.sums), info)))
+        if not keys:
+            return {}
+        vals = all_reduce_sum(torch.tensor([self.sums.get(k, 0.0) for k in keys], dtype=torch.float64), info)
+        tot = dict(zip(keys, vals.tolist()))
+        out = {}
+        for k, v in tot.items():
+            role, name = k.split("/", 1)
+            if name == "loss":
+                out[f"{role}_loss"] = v
+            elif name != "n" and tot.get(f"{role}/n", 0) > 0:
+                out[f"{role}_{name}"] = v / tot[f"{role}/n"]
+        return out
+
+
