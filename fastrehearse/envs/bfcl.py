@@ -436,3 +436,65 @@ class BfclSuite(Suite):
 
     def make_env(self) -> BfclEnv:
         return BfclEnv(system_prompt=self.system_prompt)
+
+    # Training reward modes (fastrehearse.algo.rewards): "consistent" = `consistent_score`.
+    reward_modes = ("real", "consistent")
+
+    def task_reward(self, task: Task, trajectory: Trajectory, mode: str) -> float:
+        if mode != "consistent":
+            return super().task_reward(task, trajectory, mode)
+        return consistent_score(task, trajectory)
+
+
+def _visible(value: Any, text: str) -> bool:
+    """Every leaf of an argument value is written in `text` (casefolded user turns): a value the
+    agent can take from the request rather than from a tool response."""
+    if isinstance(value, (list, tuple)):
+        return all(_visible(v, text) for v in value)
+    if isinstance(value, dict):
+        return all(_visible(v, text) for v in value.values())
+    if isinstance(value, str):
+        return value.strip().casefold() in text
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value)) in text or str(value) in text
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value) in text
+    return True   # True / False / None carry no hidden value
+
+
+def consistent_score(task: Task, trajectory: Trajectory) -> float:
+    """BFCL multi-turn graded on the calls alone (the `consistent` training reward: no call is
+    executed, so no response, real or rehearsed, is needed). Per user turn t, with the agent's
+    well-formed calls of that turn (all its steps):
+      - the trajectory has exactly the task's number of turns (as BFCL's checker requires);
+      - a turn whose ground truth is empty (miss_func / miss_param) has no call;
+      - every gold call of turn t is matched one to one by an agent call of the same function; when
+        all of its argument values are written in the user turns up to t (they need no tool
+        response), the arguments must also be equal (JSON values); otherwise (an id or a path the
+        ground truth took from a real response) the function name is enough.
+    Not graded: BFCL's state and response checks (they execute the calls), extra calls, the order
+    of calls within a turn."""
+    entry = task.payload["entry"]
+    gold = task.payload["ground_truth"]
+    methods = public_methods(make_instances(entry))
+    turns = BfclEnv().decoded_turns(task, trajectory)
+    if len(turns) != len(gold):
+        return 0.0
+    text = ""
+    for t, (steps, gold_calls) in enumerate(zip(turns, gold)):
+        text += " ".join(str(m.get("content", "")) for m in entry["question"][t]).casefold() + " "
+        made = [parse_gold_call(c, methods) for step in steps for c in step]
+        made = [(n, _jsonable(kw)) for n, kw in made]
+        if not gold_calls:
+            if made:
+                return 0.0
+            continue
+        for g in gold_calls:
+            name, kwargs = parse_gold_call(g, methods)
+            kwargs = _jsonable(kwargs)
+            exact = _visible(kwargs, text)
+            hit = next((i for i, (n, kw) in enumerate(made) if n == name and (not exact or kw == kwargs)), None)
+            if hit is None:
+                return 0.0
+            made.pop(hit)
+    return 1.0
