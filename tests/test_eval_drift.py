@@ -87,11 +87,45 @@ def test_rename_default_rule_and_map():
 
 
 def test_units_and_formats():
-    assert _json(_env("units"), "get_balance")["balance"] == 1250            # dollars -> cents
-    assert _json(_env("units"), "route") == {"distance_km": 3200, "legs": [{"distance": 1500, "total_fee": 200}]}
+    assert _json(_env("units"), "get_balance")["balance_cents"] == 1250      # dollars -> cents, unit named
+    assert _json(_env("units"), "route") == {"distance_m": 3200, "legs": [{"distance_m": 1500, "total_fee_cents": 200}]}
+    assert _json(_env("units,rename"), "get_balance")["balanceCents"] == 1250   # still visible after rename
     f = _json(_env("formats"), "get_balance")
     assert f["opened"] == "07/03/2024" and f["active"] == "yes" and f["balance"] == "12.50"
     assert f["account_id"] == "AC1"
+
+
+def test_units_drift_is_solvable_on_builtin():
+    """The `units` drift used to return cents under the unchanged key while the answer was graded in
+    dollars: nothing told the agent, so no answer could pass (a 75% cap on the drift metric). Now
+    the key names the unit, and an answer in either unit passes: read off the response (cents) or
+    converted (dollars). A wrong value, or a count that happens to be rescaled, still fails."""
+    suite = BuiltinSuite(level="easy", easy_answer=True)
+    task = next(t for t in suite.tasks("test", 60) if t.payload["required_calls"][0]["name"] == "get_balance")
+    call = task.payload["required_calls"][0]
+    dollars = task.payload["answer"]["value"]
+    env = DriftEnv(suite.make_env(), DriftSpec.parse("units"))
+    env.reset(task)
+    shown = json.loads(env.execute(ToolCall(call["name"], call["arguments"])).content)
+    cents = next(v for k, v in shown.items() if k.startswith("balance"))
+    assert cents == round(dollars * 100)
+    msgs = [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
+            {"role": "tool", "content": json.dumps(shown)}]
+
+    def score(answer):
+        return env.score(task, Trajectory(messages=msgs + [{"role": "assistant", "content": answer}]))
+    assert score(f"The balance is {cents} cents.") == 1.0          # the old scorer: 0
+    assert score(f"The balance is {cents:,} cents.") == 1.0
+    assert score(f"The balance is {dollars:.2f} USD.") == 1.0
+    assert score(f"The balance is {cents + 1} cents.") == 0.0
+    assert score("I do not know.") == 0.0
+    assert "balance" not in shown and shown["balance_cents"] == cents   # the unit is in the key
+    # a number of the answer that the drift did not produce is never rescaled
+    stock = next(t for t in suite.tasks("test", 60) if t.payload["required_calls"][0]["name"] == "check_stock")
+    env.reset(stock)
+    c = stock.payload["required_calls"][0]
+    env.execute(ToolCall(c["name"], c["arguments"]))
+    assert env.scaled == []
 
 
 def test_errors_reworded():

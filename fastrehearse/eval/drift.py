@@ -12,7 +12,14 @@ SPEC: comma-separated perturbations, each `name` or `name:arg`:
   errors            failed calls (ok=False, or a JSON "error"/"message" field on failure) reworded
                     into a structured error: {"error": {"code": "E_<KIND>", "detail": <lowercased>}}
   units             money-like numeric fields (amount, price, balance, cost, total, fee) in cents
-                    (x100, int); distance-like fields (distance, km) in metres (x1000)
+                    (x100, int) under a key that names the unit (balance -> balance_cents);
+                    distance-like fields (distance, km) in metres (x1000; distance_km -> distance_m).
+                    Solvable both ways: the unit is visible in the response, and `score` also
+                    accepts the answer stated in the returned unit (a number of the final answer
+                    equal to a value this episode's responses returned scaled is read back in the
+                    original unit before the wrapped env grades it). Before this, the key kept its
+                    name while the answer was still graded in dollars: nothing told the agent the
+                    unit had changed, so those items were unsolvable.
   formats           ISO dates YYYY-MM-DD -> DD/MM/YYYY, booleans -> "yes"/"no", floats -> strings
                     with two decimals
   remove:TOOL       the tool disappears: dropped from the schemas, and calling it fails as unknown
@@ -100,6 +107,35 @@ class DriftSpec:
         return ",".join(parts) or "none"
 
 
+_ANSWER_NUM = re.compile(r"(?<![\w.])-?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\w.]\d)|(?<![\w.])-?\d+(?:\.\d+)?(?![\w]|\.\d)")
+
+
+def answer_in_original_units(trajectory: Trajectory, scaled: list[tuple[int, float]]) -> Trajectory | None:
+    """The trajectory with each number of its final answer that equals a value the `units` drift
+    returned (e.g. 280447 cents) replaced by the original value (2804.47), or None when there is
+    none. Only those numbers change, so a count or an id is never rescaled."""
+    back = {float(new): old for new, old in scaled}
+    idx = next((i for i in range(len(trajectory.messages) - 1, -1, -1)
+                if trajectory.messages[i].get("role") == "assistant"), None)
+    text = trajectory.final_answer
+    if text is None and idx is not None and not trajectory.messages[idx].get("tool_calls"):
+        text = trajectory.messages[idx].get("content")
+    if not isinstance(text, str):
+        return None
+
+    def sub(m: re.Match) -> str:
+        v = float(m.group().replace(",", ""))
+        return repr(back[v]) if v in back else m.group()
+    new = _ANSWER_NUM.sub(sub, text)
+    if new == text:
+        return None
+    msgs = list(trajectory.messages)
+    if idx is not None and not msgs[idx].get("tool_calls") and msgs[idx].get("content") == text:
+        msgs[idx] = {**msgs[idx], "content": new}
+    return Trajectory(messages=msgs, real_calls=list(trajectory.real_calls),
+                      final_answer=new if trajectory.final_answer is not None else None)
+
+
 # ----------------------------------------------------------------------------- value transforms
 def rename_key(key: str, mapping: dict[str, str]) -> str:
     if mapping:
@@ -128,12 +164,23 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def convert_units(key: Any, value: Any) -> tuple[Any, Any]:
+def unit_key(key: str, unit: str) -> str:
+    """The key renamed to name its new unit: balance -> balance_cents, distance_km -> distance_m."""
+    if unit == "m" and (key.lower().endswith("_km") or key.lower() == "km"):
+        return key[:-2] + "m"
+    return f"{key}_{unit}"
+
+
+def convert_units(key: Any, value: Any, scaled: list | None = None) -> tuple[Any, Any]:
+    """(key, value) in the drifted unit; each conversion is appended to `scaled` as
+    (new value, original value) so `DriftEnv.score` can read an answer given in the new unit."""
     if isinstance(key, str) and _is_number(value):
-        if _MONEY.search(key):
-            return key, int(round(value * 100))
-        if _DISTANCE.search(key):
-            return key, int(round(value * 1000))
+        for pattern, factor, unit in ((_MONEY, 100, "cents"), (_DISTANCE, 1000, "m")):
+            if pattern.search(key):
+                new = int(round(value * factor))
+                if scaled is not None:
+                    scaled.append((new, value))
+                return unit_key(key, unit), new
     return key, value
 
 
@@ -193,6 +240,7 @@ class DriftEnv(ToolEnv):
         self.spec = spec
         self.removed: str | None = None
         self.stats = {"responses": 0, "changed": 0, "removed_tool_calls": 0}
+        self.scaled: list[tuple[int, float]] = []   # (value shown, original value): `units` this episode
 
     # The environment protocol (fastrehearse.envs.base), forwarded explicitly: ToolEnv's defaults
     # would otherwise shadow the wrapped environment's user turns, stop tool and argument checks.
@@ -226,6 +274,7 @@ class DriftEnv(ToolEnv):
     def reset(self, task: Task) -> ResetResult:
         res = self.inner.reset(task)
         self.removed = None
+        self.scaled = []
         if self.spec.remove:
             names = [t["function"]["name"] for t in res.tools]
             if self.spec.remove_tool is not None:
@@ -265,7 +314,7 @@ class DriftEnv(ToolEnv):
         if obj is None:
             return result
         if s.units:
-            obj = _walk(obj, convert_units)
+            obj = _walk(obj, lambda k, v: convert_units(k, v, self.scaled))
         if s.formats:
             obj = _format_all(obj)
         if s.rename:
@@ -276,6 +325,14 @@ class DriftEnv(ToolEnv):
         return ToolResult(new, result.ok, result.error_kind)
 
     def score(self, task: Task, trajectory: Trajectory) -> float:
+        score = self._score(task, trajectory)
+        if score < 1.0 and self.scaled:   # the answer may be stated in the unit the agent was shown
+            back = answer_in_original_units(trajectory, self.scaled)
+            if back is not None:
+                score = max(score, self._score(task, back))
+        return score
+
+    def _score(self, task: Task, trajectory: Trajectory) -> float:
         if self.removed is None:
             return self.inner.score(task, trajectory)
         # Calls the agent made to the removed tool: the driver refuses them as unknown tools before
