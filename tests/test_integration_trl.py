@@ -45,6 +45,14 @@ def tiny_model(kind="llama", seed=0, head_std=0.5, **over):
     elif kind == "cohere":
         cfg = transformers.CohereConfig(**common, logit_scale=3.5, **over)
         cls = transformers.CohereForCausalLM
+    elif kind == "qwen3_moe":   # router aux loss on by default (router_aux_loss_coef 0.001)
+        cfg = transformers.Qwen3MoeConfig(**common, head_dim=8, moe_intermediate_size=16,
+                                          num_experts=4, num_experts_per_tok=2, **over)
+        cls = transformers.Qwen3MoeForCausalLM
+    elif kind == "gpt_oss":
+        cfg = transformers.GptOssConfig(**common, head_dim=8, num_local_experts=4,
+                                        num_experts_per_tok=2, sliding_window=16, **over)
+        cls = transformers.GptOssForCausalLM
     else:
         raise ValueError(kind)
     model = cls(cfg).float()
@@ -415,3 +423,84 @@ def test_autocast_hidden_dtype_differs_from_head():
     out.log_probs.sum().backward()
     assert model.lm_head.weight.grad.dtype == torch.float32
     assert model.model.norm.weight.grad.dtype == torch.bfloat16
+
+
+# ---- TRL's defaults: bf16 autocast with a reference model (issue 26, failure 1) -----------------
+
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory):
+    """beta != 0: TRL builds the reference model from the policy's path, so pass a saved model."""
+    path = str(tmp_path_factory.mktemp("llama") / "model")
+    tiny_model("llama", seed=1).save_pretrained(path)
+    return path
+
+
+def test_trl_defaults_bf16_autocast_with_reference_model_train(tmp_path, saved_llama):
+    """bf16=True (TRL's default on GPUs) and beta > 0: TRL wraps the reference model's forward in
+    bf16 autocast before the adapter patches it. The head check judges it like with like (it was
+    refused: bf16 logits against an fp32 reference at an fp32 tolerance), the reference
+    log-probs equal TRL's own fp32 head on the same autocast backbone, and 3 fused steps train."""
+    over = dict(bf16=True, beta=0.04)
+    fast = fr_trl.FastGRPOTrainer(model=saved_llama, args=grpo_args(tmp_path / "f", **over),
+                                  reward_funcs=reward_w7, train_dataset=prompts_dataset(),
+                                  processing_class=tiny_tokenizer())
+    ref_tr = trl.GRPOTrainer(model=saved_llama, args=grpo_args(tmp_path / "t", **over,
+                                                               cast_lm_head_to_fp32=True),
+                             reward_funcs=reward_w7, train_dataset=prompts_dataset(),
+                             processing_class=tiny_tokenizer())
+    ids, attn = batch_inputs()
+    lp_a, _, _ = ref_tr._get_per_token_logps_and_entropies(ref_tr.ref_model, ids, attn, 6)
+    lp_b, _, _ = fast._get_per_token_logps_and_entropies(fast.ref_model, ids, attn, 6)
+    torch.testing.assert_close(lp_b, lp_a, rtol=0, atol=1e-5)
+    fast.train()
+    assert fast.fused_loss_calls == 3
+    kls = [h["kl"] for h in fast.state.log_history if "kl" in h]
+    # policy == reference at step 0; the KL grows once the policy moves
+    assert len(kls) == 3 and abs(kls[0]) < 1e-6 and 0.0 < kls[1] < 10.0 and 0.0 < kls[2] < 10.0
+
+
+def test_head_check_like_with_like_under_autocast():
+    """Policy and reference get the same check whatever wraps their forward: accelerate's bf16
+    autocast wrapper (what TRL puts on the reference model) is accepted for a plain head and a
+    Gemma2 soft-cap, and a custom forward's unannounced soft-cap is still refused under it."""
+    from accelerate import Accelerator
+    acc = Accelerator(mixed_precision="bf16", cpu=True)
+    for kind in ("llama", "gemma2"):
+        model = acc.prepare_model(tiny_model(kind, head_std=2.0), evaluation_mode=True)
+        fr_trl.patch_fused_lm_head(model)
+    model = tiny_model("llama", head_std=2.0)
+    orig = model.forward
+
+    def capped(*a, **k):
+        out = orig(*a, **k)
+        out.logits = 30.0 * torch.tanh(out.logits / 30.0)
+        return out
+
+    model.forward = capped
+    model = acc.prepare_model(model, evaluation_mode=True)
+    with pytest.raises(fr_trl.UnsupportedModelError, match="differ"):
+        fr_trl.patch_fused_lm_head(model)
+
+
+# ---- MoE: the router aux loss, fused and through TRL's loss (issue 26, failure 2) ----------------
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+def test_moe_router_aux_loss_fused_and_fallback_match_trl(tmp_path, kind):
+    """TRL 1.16 turns the MoE load-balancing loss on by default. The fused loss adds it itself
+    (the router logits of the same forward), and the fallback (TRL's loss on fastrehearse
+    log-probs) gets it from the patched forward: both match TRL's gradients and aux_loss metric."""
+    base = tiny_model(kind, seed=2)
+    ref_tr, g_ref = train(trl.GRPOTrainer, copy.deepcopy(base), tmp_path / "ref")
+    assert ref_tr.aux_loss_enabled
+    aux_ref = [h["aux_loss"] for h in ref_tr.state.log_history if "aux_loss" in h]
+    for fused in (True, False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)   # no fallback warning on the fused path
+            fast, g_fast = train(fr_trl.FastGRPOTrainer, copy.deepcopy(base),
+                                 tmp_path / f"fast{fused}", extra={"fused_loss": fused})
+        assert fast.fused_loss_calls == (3 if fused else 0)
+        assert_grads_equal(g_ref, g_fast)
+        aux = [h["aux_loss"] for h in fast.state.log_history if "aux_loss" in h]
+        assert len(aux) == 3 and aux == pytest.approx(aux_ref, rel=1e-5)

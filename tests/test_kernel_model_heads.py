@@ -10,6 +10,7 @@ from torch import nn
 
 from fastrehearse.data import Episode
 from fastrehearse.kernels import linear_logprobs
+from fastrehearse.model import lm_head
 from fastrehearse.model import (RehearsalModel, build_tiny_model, check_lm_head, head_kwargs,
                                 lm_head_weight, token_logprobs, use_varlen_attention)
 from fastrehearse.packing import build_packed_batch
@@ -158,3 +159,70 @@ def test_inexpressible_heads_refused_naming_the_setting():
         wrapped(batch, lambda h, w: linear_logprobs(h, w, batch.targets)[0])
     with pytest.raises(ValueError, match="not just a weight"):
         lm_head_weight(cohere)
+
+
+# The one head spec (fastrehearse.model.lm_head), family by family: a tiny random model of every
+# model type it lists, with a non-neutral head setting, against the model's own logits.
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+CAP = {"final_logit_softcapping": 3.0}
+SPEC_MODELS = {   # model_type: (config overrides, head_settings expected)
+    "cohere": ({"logit_scale": 0.25}, {"logit_scale": 0.25}),
+    "cohere2": ({"logit_scale": 0.25}, {"logit_scale": 0.25}),
+    "cohere2_moe": ({"logit_scale": 0.25}, {"logit_scale": 0.25}),
+    "granite": ({"logits_scaling": 4.0}, {"logit_scale": 0.25}),
+    "granitemoe": ({"logits_scaling": 4.0}, {"logit_scale": 0.25}),
+    "granitemoeshared": ({"logits_scaling": 4.0}, {"logit_scale": 0.25}),
+    "granitemoehybrid": ({"logits_scaling": 4.0, "mamba_n_heads": 4, "mamba_d_head": 16,
+                          "shared_intermediate_size": 64}, {"logit_scale": 0.25}),
+    "granite_swa": ({"logits_scaling": 4.0}, {"logit_scale": 0.25}),
+    "granitemoe_swa": ({"logits_scaling": 4.0}, {"logit_scale": 0.25}),
+    "hyperclovax": ({"logits_scaling": 4.0}, {"logit_scale": 4.0}),          # multiplies
+    "falcon_h1": ({"lm_head_multiplier": 0.25}, {"logit_scale": 0.25}),
+    "minicpm3": ({"dim_model_base": 8, "num_key_value_heads": 4, "qk_nope_head_dim": 8,   # 32/8
+                  "qk_rope_head_dim": 8, "v_head_dim": 8, "q_lora_rank": 16, "kv_lora_rank": 16},
+                 {"logit_scale": 0.25}),
+    "gemma2": (CAP, {"logit_softcap": 3.0}),
+    "gemma3_text": (CAP, {"logit_softcap": 3.0}),
+    "vaultgemma": (CAP, {"logit_softcap": 3.0}),
+    "nanochat": (CAP, {"logit_softcap": 3.0}),
+    "beam": (CAP, {"logit_softcap": 3.0}),
+    "recurrent_gemma": ({"logits_soft_cap": 3.0, "lru_width": 32}, {"logit_softcap": 3.0}),
+}
+
+
+def spec_model(mtype):
+    """A tiny random model of `mtype` whose head setting moves its logits a lot (head ~ N(0, 1))."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    over = SPEC_MODELS[mtype][0]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(mtype, **{**SMALL, **over}))
+    model = model.float().eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.normal_(0.0, 1.0)
+    return model
+
+
+def test_head_spec_lists_exactly_the_tested_families():
+    assert set(lm_head.HEAD_RULES) == set(SPEC_MODELS)
+
+
+@pytest.mark.parametrize("mtype", list(SPEC_MODELS))
+def test_head_spec_reproduces_each_family_logits(mtype):
+    """The spec's head_kwargs of every family in the spec: the kernels on the base model's
+    hidden states == log_softmax of the model's own forward (its own head code). Falcon-H1
+    (lm_head_multiplier), HyperCLOVA X (logits_scaling multiplies) and MiniCPM3 (hidden states
+    divided before the head) were refused by the trainer while the TRL adapter scored them."""
+    model = spec_model(mtype)
+    kw = lm_head.head_kwargs(model)    # the spec (the trainer adds its attention checks on top)
+    assert kw == SPEC_MODELS[mtype][1]
+    ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits[0].double()
+        h = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0]
+        w = model.get_output_embeddings().weight
+        lp, _ = linear_logprobs(h[:-1], w, ids[0, 1:], backend="torch", **kw)
+        plain, _ = linear_logprobs(h[:-1], w, ids[0, 1:], backend="torch")
+    ref = torch.log_softmax(logits, -1)[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+    assert float((lp.double() - ref).abs().max()) <= 1e-5
+    assert float((plain.double() - ref).abs().max()) > 1e-2   # the setting really matters

@@ -10,7 +10,6 @@ kernels cannot reproduce is refused (check_lm_head), never scored wrong.
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +19,9 @@ from torch import nn
 from fastrehearse.kernels.roles import Role
 from fastrehearse.packing.batch import PackedBatch
 
+from . import lm_head
 from .attention import ATTN_IMPL
+from .lm_head import head_module as _head_module
 
 
 def base_model(model: nn.Module) -> nn.Module:
@@ -36,18 +37,6 @@ def base_model(model: nn.Module) -> nn.Module:
     return inner
 
 
-# How transformers' CausalLM forwards turn the lm_head output into logits, by model_type (checked
-# against transformers 5.x sources): Cohere multiplies by config.logit_scale, Granite divides by
-# config.logits_scaling, Gemma 2/3 soft-cap with config.final_logit_softcapping (after the scale,
-# if a model had both). The kernels express exactly: z = a (x W^T + b); z = c tanh(z / c).
-_SCALE_MUL = {"cohere": "logit_scale", "cohere2": "logit_scale", "cohere2_moe": "logit_scale"}
-_SCALE_DIV = {"granite": "logits_scaling", "granitemoe": "logits_scaling",
-              "granitemoeshared": "logits_scaling", "granitemoehybrid": "logits_scaling"}
-_SOFTCAP = {"gemma2", "gemma3", "gemma3_text"}
-# Config keys that change the logits in some transformers model. Set to a non-trivial value on a
-# model_type not listed above they are refused: we do not know where that model applies them.
-_HEAD_KEYS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0,
-              "lm_head_multiplier": 1.0, "output_multiplier": 1.0}
 # Settings inside the decoder that the packed varlen attention does not implement.
 _ATTN_KEYS = ("attn_logit_softcapping",)
 
@@ -56,51 +45,23 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.model if isinstance(model, RehearsalModel) else model
 
 
-def _head_module(model: nn.Module) -> nn.Module:
-    head = model.get_output_embeddings()
-    return model.get_input_embeddings() if head is None else head  # tied, without a head module
-
-
 def head_settings(model: nn.Module) -> dict[str, float]:
-    """{'logit_scale': a, 'logit_softcap': c} from the HF config (only the entries that are set).
+    """{'logit_scale': a, 'logit_softcap': c} from the HF config (only the entries that are set),
+    read by the one head spec (`fastrehearse.model.lm_head`, shared with the TRL adapter).
 
     Raises ValueError naming the setting when the model transforms its logits in a way the
-    kernels cannot express (or that fastrehearse does not know how this model applies).
+    kernels cannot express (or that fastrehearse does not know how this model applies), or sets an
+    attention option the packed varlen attention does not implement.
     """
     model = _unwrap(model)
+    out = lm_head.head_settings(model)
     cfg = model.config
-    mtype = getattr(cfg, "model_type", "?")
-    out: dict[str, float] = {}
-    handled = set()
-    if mtype in _SCALE_MUL or mtype in _SCALE_DIV:
-        key = _SCALE_MUL.get(mtype) or _SCALE_DIV[mtype]
-        val = getattr(cfg, key, None)
-        handled.add(key)
-        if val is not None and float(val) != 1.0:
-            if not (math.isfinite(float(val)) and float(val) != 0.0):
-                raise ValueError(f"{mtype} config has {key}={val}: cannot score log-probs with it")
-            out["logit_scale"] = float(val) if mtype in _SCALE_MUL else 1.0 / float(val)
-    if mtype in _SOFTCAP:
-        handled.add("final_logit_softcapping")
-        cap = getattr(cfg, "final_logit_softcapping", None)
-        if cap is not None:
-            if not (math.isfinite(float(cap)) and float(cap) > 0.0):
-                raise ValueError(f"{mtype} config has final_logit_softcapping={cap}: must be > 0")
-            out["logit_softcap"] = float(cap)
-    for key, neutral in _HEAD_KEYS.items():
-        val = getattr(cfg, key, None)
-        if key in handled or val is None or (neutral is not None and val == neutral):
-            continue
-        raise ValueError(
-            f"{type(model).__name__} ({mtype}) config sets {key}={val!r}, which changes its logits "
-            f"in a way fastrehearse's LM-head kernels do not know for this model type; refusing it "
-            f"rather than training on wrong log-probs")
     for key in _ATTN_KEYS:
         if getattr(cfg, key, None) is not None:
             raise ValueError(
-                f"{type(model).__name__} ({mtype}) config sets {key}={getattr(cfg, key)!r}: the "
-                f"packed varlen attention ({ATTN_IMPL}) does not implement it; refusing the model "
-                f"rather than computing wrong hidden states")
+                f"{type(model).__name__} ({getattr(cfg, 'model_type', '?')}) config sets "
+                f"{key}={getattr(cfg, key)!r}: the packed varlen attention ({ATTN_IMPL}) does not "
+                f"implement it; refusing the model rather than computing wrong hidden states")
     return out
 
 
@@ -115,11 +76,8 @@ def head_kwargs(model: nn.Module) -> dict[str, Any]:
     kernels compute this model's own logits; {} for a plain linear head. Read it inside the FSDP
     root module's forward (as the weight) so the bias is the unsharded tensor."""
     model = _unwrap(model)
-    kw: dict[str, Any] = dict(head_settings(model))
-    bias = getattr(_head_module(model), "bias", None)
-    if bias is not None:
-        kw["bias"] = bias
-    return kw
+    head_settings(model)                 # the trainer's own refusals (attention options) too
+    return lm_head.head_kwargs(model)
 
 
 def lm_head_weight(model: nn.Module) -> torch.Tensor:
@@ -254,12 +212,6 @@ class RehearsalModel(nn.Module):
             self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
         else:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
-
-    def disable_activation_checkpointing(self) -> None:
-        if hasattr(self.model, "activation_checkpointing_disable"):
-            self.model.activation_checkpointing_disable()
-        else:
-            self.model.gradient_checkpointing_disable()
 
     @property
     def activation_checkpointing(self) -> bool:
