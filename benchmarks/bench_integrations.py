@@ -1,20 +1,21 @@
 """TRL GRPOTrainer's loss phase: its own LM head vs fastrehearse's (log-probs only / fused loss).
 
-    nice python benchmarks/bench_integrations.py [--vocab 4096 16384 49152] [--reps 3]
+    nice python benchmarks/bench_integrations.py [--model llama|qwen3_moe] [--vocab 16384 49152]
 
 One training step's loss phase (model forward, LM head, GRPO loss, backward) of trl 1.16's
 `GRPOTrainer.compute_loss` on a fixed on-policy batch (prompts + sampled-length completions,
-random advantages; generation is not part of it), for a tiny random Llama (tied head) at several
-vocabulary sizes, side by side in one run (round-robin, `_common.time_interleaved`):
+random advantages; generation is not part of it), for a tiny random Llama (tied head) or
+Qwen3-MoE (8 experts, top-2, TRL's default router aux loss on) at several vocabulary sizes, side
+by side in one run (round-robin, `_common.time_interleaved`):
 
     trl          trl.GRPOTrainer (its chunked head `add_fused_lm_head`, its loss)
     fr-logprobs  FastGRPOTrainer(fused_loss=False): fastrehearse head, TRL's loss in torch
     fr-fused     FastGRPOTrainer: fused linear_policy_loss, on-policy (old_logp=None)
     fr-fused-noent  the same with entropy_metric=False (no entropy for TRL's "entropy" log entry)
 
-All three compute the same loss and gradients (tests/test_integration_trl.py). Peak memory is
+All compute the same loss and gradients (tests/test_integration_trl.py). Peak memory is
 the loss phase's peak RSS above what was live before it (CPU) / max allocated (CUDA).
-Writes benchmarks/results/bench_integrations_{cpu,gpu}.{json,png}.
+Writes benchmarks/results/bench_integrations_{cpu,gpu}[_<model>].{json,png}.
 """
 from __future__ import annotations
 
@@ -35,15 +36,20 @@ from _common import (RESULTS, bar_plot, default_json, fmt_bytes, hardware,  # no
 METHODS = ("trl", "fr-logprobs", "fr-fused", "fr-fused-noent")
 
 
-def tiny_llama(vocab, hidden, layers, seed=0):
+def tiny_model(kind, vocab, hidden, layers, seed=0):
     import transformers
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden,
-                                   intermediate_size=2 * hidden, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=1024, tie_word_embeddings=True,
-                                   pad_token_id=0, eos_token_id=1, bos_token_id=None)
-    return transformers.LlamaForCausalLM(cfg).float()
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=1024, tie_word_embeddings=True, pad_token_id=0,
+                  eos_token_id=1, bos_token_id=None)
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).float()
+    if kind == "qwen3_moe":   # router_aux_loss_coef 0.001 by default: TRL adds the aux loss
+        cfg = transformers.Qwen3MoeConfig(**common, moe_intermediate_size=hidden // 2,
+                                          num_experts=8, num_experts_per_tok=2)
+        return transformers.Qwen3MoeForCausalLM(cfg).float()
+    raise ValueError(f"unknown --model {kind!r}")
 
 
 def batch(vocab, b, prompt_len, completion_len, seed=1):
@@ -87,7 +93,7 @@ def make_trainer(method, model, workdir):
 
 
 def run_config(vocab, args, device, workdir):
-    base = tiny_llama(vocab, args.hidden, args.layers)
+    base = tiny_model(args.model, vocab, args.hidden, args.layers)
     inputs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v)
               for k, v in batch(vocab, args.batch, args.prompt_len, args.completion_len).items()}
     steps, trainers = {}, {}
@@ -113,6 +119,7 @@ def run_config(vocab, args, device, workdir):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=["llama", "qwen3_moe"], default="llama")
     p.add_argument("--vocab", type=int, nargs="+", default=[4096, 16384, 49152])
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
@@ -152,7 +159,7 @@ def main(argv=None):
     table = [{**r, "peak": fmt_bytes(r.get("peak_extra_bytes")),
               "vs trl": r.get("vs_trl", ""), "median ms": r.get("median_ms", r.get("error"))}
              for r in rows]
-    shape = (f"Llama H={args.hidden} L={args.layers} tied head, {args.batch} seqs x "
+    shape = (f"{args.model} H={args.hidden} L={args.layers} tied head, {args.batch} seqs x "
              f"({args.prompt_len} prompt + <= {args.completion_len} completion), on-policy")
     print_table(f"TRL GRPOTrainer loss phase (fwd + head + loss + bwd), {device.type}: {shape}",
                 table, ["V", "method", "median ms", "vs trl", "peak"])
@@ -166,7 +173,8 @@ def main(argv=None):
                 pairs = [a / b for a, b in zip(by[m]["times_ms"], by["fr-logprobs"]["times_ms"])]
                 fused_vs_lp.setdefault(m, {})[v] = round(statistics.median(pairs), 3)
     print("fused on-policy / (log-probs + torch loss), median of per-round ratios:", fused_vs_lp)
-    out = args.out or default_json("bench_integrations", device)
+    name = "bench_integrations" if args.model == "llama" else f"bench_integrations_{args.model}"
+    out = args.out or default_json(name, device)
     write_json(out, {"benchmark": "bench_integrations", "hardware": hardware(device),
                      "settings": vars(args) | {"out": str(out)}, "shape": shape,
                      "methods": {"trl": "trl.GRPOTrainer 1.16 (own chunked head + loss)",
@@ -183,7 +191,7 @@ def plot(out, rows, kind, args):
     groups = [f"V={v}" for v in vocab]
     look = {(r["V"], r["method"]): r for r in rows}
     png = Path(out).with_suffix(".png")
-    what = f"{kind}, Llama H={args.hidden} L={args.layers}, {args.batch} seqs, on-policy"
+    what = f"{kind}, {getattr(args, 'model', 'llama')} H={args.hidden} L={args.layers}, {args.batch} seqs, on-policy"
     bar_plot(png, groups, {m: [look.get((v, m), {}).get("median_ms") for v in vocab]
                            for m in METHODS},
              ylabel="loss-phase median ms", title=f"TRL GRPOTrainer loss phase ({what})")

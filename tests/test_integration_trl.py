@@ -243,9 +243,12 @@ def loss_batch(seed=1, b=4, p=5, c=7, vocab=63):
             "num_items_in_batch": (completion_mask * tool_mask).sum() * 2}
 
 
-def compare_compute_loss(tmp_path, over, off_policy, fused=True):
+def compare_compute_loss(tmp_path, over, off_policy, fused=True, beta=0.04, attrs=None,
+                         is_ratio=False):
     """TRL's _compute_loss vs FastGRPOTrainer's on loss_batch(): loss value and every gradient
-    (gradient accumulation 2, beta 0.04 with a KL x ratio term)."""
+    (gradient accumulation 2, by default beta 0.04 with a KL x ratio term). `attrs` are set on
+    both trainers (e.g. use_vllm without starting vLLM); `is_ratio` adds a vLLM importance
+    ratio per token."""
     base = tiny_model("llama", seed=4)
     over = dict(gradient_accumulation_steps=2, epsilon=0.1, max_completion_length=7, **over)
     out = {}
@@ -256,7 +259,9 @@ def compare_compute_loss(tmp_path, over, off_policy, fused=True):
                      reward_funcs=reward_w7, train_dataset=prompts_dataset(),
                      processing_class=tiny_tokenizer())
         tr.current_gradient_accumulation_steps = 2     # set by train(); _compute_loss reads it
-        tr.beta = 0.04                                 # the KL term (TRL would also build a ref model)
+        tr.beta = beta                                 # the KL term (TRL would also build a ref model)
+        for k, v in (attrs or {}).items():
+            setattr(tr, k, v)
         inputs = loss_batch()
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
         attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
@@ -266,6 +271,8 @@ def compare_compute_loss(tmp_path, over, off_policy, fused=True):
         inputs["ref_per_token_logps"] = lp + 0.3 * torch.randn(lp.shape, generator=g)
         if off_policy:
             inputs["old_per_token_logps"] = lp + 0.2 * torch.randn(lp.shape, generator=g)
+        if is_ratio:
+            inputs["importance_sampling_ratio"] = 0.5 + torch.rand(lp.shape, generator=g)
         fr_trl._warned.clear()
         with warnings.catch_warnings(record=True) as rec:
             warnings.simplefilter("always", UserWarning)
@@ -289,6 +296,17 @@ def test_loss_normalizers_match_trl_on_uneven_batch(tmp_path, loss_type, level, 
     compare_compute_loss(tmp_path, dict(loss_type=loss_type, importance_sampling_level=level,
                                         epsilon_high=1.5 if loss_type == "cispo" else 0.28),
                          off_policy)
+
+
+@pytest.mark.parametrize("beta,fused", [(0.0, True), (0.04, False)])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_vllm_importance_ratio_fused_when_beta_is_zero(tmp_path, loss_type, beta, fused):
+    """TRL's vLLM importance-sampling correction (on by default with use_vllm) scales the policy
+    term per token: folded into the kernel's per-token weights when beta = 0 (TRL's default);
+    with a KL term, which TRL leaves unscaled, TRL's loss runs instead (one warning)."""
+    compare_compute_loss(tmp_path, dict(loss_type=loss_type), True, fused, beta=beta,
+                         attrs={"use_vllm": True, "vllm_importance_sampling_correction": True},
+                         is_ratio=True)
 
 
 @pytest.mark.parametrize("loss_type,fused", [("bnpo", True), ("dapo", True), ("grpo", False)])
@@ -504,3 +522,113 @@ def test_moe_router_aux_loss_fused_and_fallback_match_trl(tmp_path, kind):
         assert_grads_equal(g_ref, g_fast)
         aux = [h["aux_loss"] for h in fast.state.log_history if "aux_loss" in h]
         assert len(aux) == 3 and aux == pytest.approx(aux_ref, rel=1e-5)
+
+
+# ---- PEFT / LoRA policies ------------------------------------------------------------------------
+
+
+def lora_config(**over):
+    peft = pytest.importorskip("peft")
+    kw = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+              task_type="CAUSAL_LM", init_lora_weights=False)   # non-zero B: the adapter matters
+    kw.update(over)
+    return peft.LoraConfig(**kw)
+
+
+@pytest.mark.parametrize("head", ["frozen", "modules_to_save"])
+def test_lora_policy_with_disabled_adapter_reference_matches_trl(tmp_path, saved_llama, head):
+    """A LoRA policy (base weights frozen), beta > 0: the reference log-probs come from the same
+    model with the adapter disabled, as TRL does. The LM head either stays frozen outside the
+    adapter or is trained whole through modules_to_save=['lm_head'] (PEFT wraps it; the reference
+    pass runs the original head). Same gradients of every trainable parameter as TRL, fused."""
+    over = {"modules_to_save": ["lm_head"]} if head == "modules_to_save" else {}
+    extra = {"peft_config": lora_config(**over)}
+    ref_tr, g_ref = train(trl.GRPOTrainer, saved_llama, tmp_path / "ref", extra=extra, beta=0.04)
+    fast, g_fast = train(fr_trl.FastGRPOTrainer, saved_llama, tmp_path / "fast",
+                         extra={**extra, "fused_loss": True}, beta=0.04)
+    assert fast.ref_model is None and fast.fused_loss_calls == 3
+    names = set(g_fast[0])
+    assert names and all("lora_" in n or "modules_to_save" in n for n in names)
+    assert any("modules_to_save" in n for n in names) == (head == "modules_to_save")
+    assert_grads_equal(g_ref, g_fast)
+    kls = [h["kl"] for h in fast.state.log_history if "kl" in h]
+    # the non-zero LoRA init makes the policy differ from the (disabled-adapter) reference at once
+    assert len(kls) == 3 and kls[0] > 1e-4
+
+
+def test_lora_on_lm_head_is_refused_by_name(tmp_path):
+    """A LoRA adapter on lm_head: refused (TRL's GRPOTrainer refuses it as well, before us)."""
+    peft = pytest.importorskip("peft")
+    with pytest.raises(ValueError, match="lm_head"):
+        fr_trl.FastGRPOTrainer(model=tiny_model("llama"), args=grpo_args(tmp_path),
+                               reward_funcs=reward_w7, train_dataset=prompts_dataset(),
+                               processing_class=tiny_tokenizer(),
+                               peft_config=lora_config(target_modules=["q_proj", "lm_head"]))
+    wrapped = peft.get_peft_model(tiny_model("llama"),
+                                  lora_config(target_modules=["q_proj", "lm_head"]))
+    with pytest.raises(fr_trl.UnsupportedModelError, match="LoRA adapter"):
+        fr_trl.patch_fused_lm_head(wrapped.get_base_model())
+
+
+# ---- one head spec for the trainer and the TRL adapter -------------------------------------------
+
+
+@pytest.mark.parametrize("mtype", sorted(__import__("test_kernel_model_heads").SPEC_MODELS))
+def test_trainer_and_trl_adapter_read_one_head_spec(mtype):
+    """fastrehearse.model.head_kwargs (the trainer) and head_transform (the TRL adapter) agree on
+    every family of the spec, and the TRL head check accepts each against the model's own forward.
+    They disagreed before (lm_head_multiplier: Falcon-H1 refused by the trainer, multiplied by the
+    adapter; HyperCLOVA X's and MiniCPM3's logits_scaling likewise)."""
+    from test_kernel_model_heads import spec_model
+
+    from fastrehearse.model import head_kwargs
+    model = spec_model(mtype)
+    if getattr(model.config, "attn_logit_softcapping", None) is not None:
+        model.config.attn_logit_softcapping = None   # the trainer's packed attention lacks it
+    kw = head_kwargs(model)
+    tr = fr_trl.head_transform(model)
+    assert (tr.logit_scale, tr.logit_softcap) == (kw.get("logit_scale"), kw.get("logit_softcap"))
+    assert tr.has_bias == ("bias" in kw)
+    fr_trl.verify_head(model, tr)
+
+
+def test_head_check_refuses_a_wrong_spec():
+    """The head check is what catches a spec entry that is wrong for a model: Falcon-H1 read
+    without its lm_head_multiplier (TRL's and the trainer's disagreement, one side wrong)."""
+    from test_kernel_model_heads import spec_model
+    model = spec_model("falcon_h1")
+    tr = fr_trl.head_transform(model)
+    fr_trl.verify_head(model, tr)
+    with pytest.raises(fr_trl.UnsupportedModelError, match="differ"):
+        fr_trl.verify_head(model, fr_trl.HeadTransform(tr.has_bias, tr.logit_softcap, None))
+
+
+# ---- the settings table: generated from the rules the code runs ----------------------------------
+
+
+def test_settings_table_in_docs_is_generated_from_the_rules():
+    from pathlib import Path
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
+    assert fr_trl.settings_table() in doc, (
+        "docs/integrations.md is out of date: paste the output of python -c 'from "
+        "fastrehearse.integrations.trl import settings_table; print(settings_table())'")
+
+
+@pytest.mark.parametrize("rule", [r for r in fr_trl.RULES if r.example],
+                         ids=lambda r: r.setting.split(" (")[0])
+def test_each_rule_example_takes_its_path(tmp_path, saved_llama, rule):
+    """Each table row with example settings, on a real FastGRPOTrainer built with them: a fused
+    row passes every fallback rule, a fallback row is the first rule that applies."""
+    from fastrehearse.integrations.trl_rules import FALLBACK, FUSED
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tr = fr_trl.FastGRPOTrainer(model=saved_llama, args=grpo_args(tmp_path, **rule.example),
+                                    reward_funcs=reward_w7, train_dataset=prompts_dataset(),
+                                    processing_class=tiny_tokenizer())
+    why = tr._fused_loss_blocker({})
+    assert rule.path in (FUSED, FALLBACK)
+    if rule.path == FUSED:
+        assert why is None
+    else:
+        assert why is not None and why.endswith(rule.why)
+        assert why.startswith(rule.name(tr) if rule.name else rule.setting)

@@ -48,8 +48,7 @@ RULES: tuple[Rule, ...] = (
          "backbone under TRL's autocast; the head at its weight's precision",
          example={"bf16": True, "beta": 0.04}),
     Rule("entropy_coef != 0 (static)", FUSED,
-         "when TRL's per-token entropy weight is a constant multiple of c_t (not grpo with "
-         "uneven lengths: see below)", example={"loss_type": "bnpo", "entropy_coef": 0.01}),
+         "when TRL's per-token entropy weight is a constant multiple of c_t (see below)", example={"loss_type": "bnpo", "entropy_coef": 0.01}),
     Rule("MoE router aux loss (router_aux_loss_coef, on by default)", FUSED,
          "the model's own load_balancing_loss_func on the router logits of the same forward"),
     Rule("use_vllm=True with vllm_importance_sampling_correction, beta = 0", FUSED,
@@ -88,8 +87,9 @@ RULES: tuple[Rule, ...] = (
     Rule("multimodal inputs (pixel_values, ...)", FALLBACK, "not passed through the fused path",
          when=lambda t, i: any(k.startswith(_MULTIMODAL_PREFIXES) and v is not None
                                for k, v in i.items())),
-    Rule("entropy_coef != 0 with loss_type='grpo' and uneven completion lengths", FALLBACK,
-         "TRL weights the bonus per token, grpo's policy term per sequence"),
+    Rule("entropy_coef != 0 where TRL's entropy weight is not a constant multiple of c_t",
+         FALLBACK, "decided per batch: grpo with uneven completion lengths (bonus per token, "
+         "policy term per sequence), vLLM importance ratios"),
     # -- refused at construction (UnsupportedModelError, naming the cause) --
     Rule("a LoRA adapter on lm_head (target_modules includes it)", REFUSED,
          "TRL 1.16 refuses it too; use modules_to_save=['lm_head']"),
