@@ -56,6 +56,3 @@ class Episode:
                                  f"input_ids {n}")
         if not math.isfinite(self.reward):
             raise ValueError(f"Episode(task_id={self.task_id!r}): reward is {self.reward}")
-
-    def role_count(self, role: Role) -> int:
-        return sum(1 for r in self.roles if r == role)

@@ -115,7 +115,7 @@ def test_tiny_model_bfcl_five_items(tmp_path):
     out = tmp_path / "tiny"
     cats = ["simple_python", "irrelevance", "parallel", "live_simple", "multi_turn_base"]
     assert cli.main(["--suite", "bfcl", "--categories", *cats, "--policy", "tiny-llama",
-                     "--limit", "1", "--max-steps", "1", "--max-new-tokens", "8", "--batch-size", "5",
+                     "--limit", "1", "--max-turns", "1", "--max-new-tokens", "8", "--batch-size", "5",
                      "--out", str(out), "--quiet"]) == 0
     res = _res(out)
     assert list(res["categories"]) == cats

@@ -84,8 +84,9 @@ def test_trainer_held_out_number_equals_fastrehearse_eval(tmp_path, monkeypatch)
     rc = cfg.rollout
     res = cli.run(cli.build_parser().parse_args([
         "--suite", "builtin", "--categories", "test:easy:task", "--policy", str(run_dir / "export"),
-        "--limit", "3", "--max-steps", str(rc.max_turns), "--max-new-tokens", str(rc.max_new_tokens),
+        "--limit", "3", "--max-turns", str(rc.max_turns), "--max-new-tokens", str(rc.max_new_tokens),
         "--max-episode-tokens", str(rc.max_episode_tokens), "--batch-size", str(rc.max_batch_size),
+        "--on-max-new-tokens", rc.on_max_new_tokens, "--on-malformed", rc.on_malformed,
         "--temperature", "1.0", "--seed", str(cfg.seed), "--measure-fidelity", "--out", str(out), "--quiet"]))
     got = {k[1]: v for k, v in _items(out).items()}
     assert set(got) == set(trainer)

@@ -213,7 +213,7 @@ def test_cli_unknown_bfcl_category_is_a_usage_error(tmp_path, capsys):
 def test_cli_tiny_model_builtin_with_rehearsal_and_drift(tmp_path, form):
     """A random tiny model end to end: scores near 0 are fine; no crash, valid results, tokens counted."""
     out = tmp_path / "tiny"
-    assert cli.main(["--suite", "builtin", "--policy", "tiny-llama", "--limit", "2", "--max-steps", "2",
+    assert cli.main(["--suite", "builtin", "--policy", "tiny-llama", "--limit", "2", "--max-turns", "2",
                      "--max-new-tokens", "12", "--rehearsal-budget", "2",
                      "--rehearsal-commit", form, "--drift", "all", "--out", str(out), "--quiet"]) == 0
     res = json.loads((out / "results.json").read_text())

@@ -52,7 +52,7 @@ def test_tau2_gold_scores_one_and_wrong_trajectories_score_zero(tmp_path, engine
 
 def test_tau2_tiny_model_two_tasks(tmp_path):
     out = tmp_path / "tiny"
-    assert cli.main(["--suite", "tau2", "--policy", "tiny-llama", "--limit", "2", "--max-steps", "2",
+    assert cli.main(["--suite", "tau2", "--policy", "tiny-llama", "--limit", "2", "--max-turns", "2",
                      "--max-new-tokens", "16", "--out", str(out), "--quiet"]) == 0
     res = _res(out)
     c = res["categories"]["telecom"]

@@ -25,7 +25,8 @@ from fastrehearse.eval.drift import DriftEnv, DriftSpec
 from fastrehearse.eval.rehearsal import DEFAULT_PREFIX_CACHE_BYTES
 from fastrehearse.eval.rehearsal import FORMS as REHEARSAL_FORMS, MODES as REHEARSAL_MODES
 from fastrehearse.eval.results import ResultStore, per_category
-from fastrehearse.eval.runner import EvalSettings, evaluate_items, fidelity_pending
+from fastrehearse.eval.runner import EVAL_ROLLOUT, EvalSettings, evaluate_items, fidelity_pending
+from fastrehearse.rollout.engine import CUT_OUTCOMES, MALFORMED_OUTCOMES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,16 +56,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run each item in rehearse mode and compare every rehearsed response with "
                         "the real one (on by default with --drift and a model policy)")
     p.add_argument("--out", required=True, help="run directory (resumable)")
-    p.add_argument("--batch-size", type=int, default=8, help="episodes decoded together")
-    p.add_argument("--max-steps", type=int, default=None,
+    # engine settings: the names and defaults of fastrehearse.rollout.RolloutConfig (EVAL_ROLLOUT)
+    p.add_argument("--batch-size", type=int, default=EVAL_ROLLOUT.max_batch_size,
+                   help="episodes decoded together (the engine's max_batch_size)")
+    p.add_argument("--max-turns", MAX_STEPS_ALIAS, dest="max_turns", type=int, default=None,
                    help="agent turns per user turn (the engine's max_turns; default: bfcl 20 as BFCL's "
-                        "own limit, builtin 12, tau2 16); --policy gold is never cut")
-    p.add_argument("--max-new-tokens", type=int, default=256,
+                        f"own limit, builtin 12, tau2 16); --policy gold is never cut. "
+                        f"{MAX_STEPS_ALIAS}: its old name, still accepted")
+    p.add_argument("--max-new-tokens", type=int, default=EVAL_ROLLOUT.max_new_tokens,
                    help="tokens per agent turn and per rehearsed response")
+    p.add_argument("--on-max-new-tokens", choices=CUT_OUTCOMES, default=EVAL_ROLLOUT.on_max_new_tokens,
+                   help="a turn cut by --max-new-tokens: closed as written (end_turn, as BFCL's runner "
+                        "does) or the episode ends")
+    p.add_argument("--on-malformed", choices=MALFORMED_OUTCOMES, default=EVAL_ROLLOUT.on_malformed,
+                   help="a malformed tool call: the agent sees a JSON error (error_response) or the "
+                        "episode ends")
     p.add_argument("--max-episode-tokens", type=int, default=None,
                    help="tokens per episode, prompt included (default: the model's context length); "
                         "an item whose prompt alone does not fit is an error, never truncated")
-    p.add_argument("--temperature", type=float, default=0.0, help="committed turns (0 = greedy)")
+    p.add_argument("--temperature", type=float, default=EVAL_ROLLOUT.temperature,
+                   help="committed turns (0 = greedy)")
     p.add_argument("--rehearsal-temperature", type=float, default=0.7,
                    help="private rehearsal drafts (sampled, so parallel drafts differ)")
     p.add_argument("--rehearsal-cache-gib", type=float, default=DEFAULT_PREFIX_CACHE_BYTES / 2**30,
@@ -77,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start no new chunk of items after this many seconds (rerun to resume)")
     p.add_argument("--quiet", action="store_true")
     return p
+
+
+MAX_STEPS_ALIAS = "--max-steps"
 
 
 class UsageError(ValueError):
@@ -119,10 +133,14 @@ def load(args: argparse.Namespace, loaded=None):
 
 
 def settings(args: argparse.Namespace, drift: DriftSpec | None) -> EvalSettings:
+    """The flags over EVAL_ROLLOUT (one RolloutConfig); per-category turn limits come from the
+    suite (eval/suites.py) when --max-turns is not given."""
     return EvalSettings(
-        max_turns=args.max_steps or 1, max_new_tokens=args.max_new_tokens,
-        max_episode_tokens=args.max_episode_tokens, temperature=args.temperature, batch_size=args.batch_size,
-        seed=args.seed, fidelity=args.policy != "gold" and (args.measure_fidelity or drift is not None))
+        max_turns=args.max_turns or EVAL_ROLLOUT.max_turns, max_new_tokens=args.max_new_tokens,
+        on_max_new_tokens=args.on_max_new_tokens, on_malformed=args.on_malformed,
+        max_episode_tokens=args.max_episode_tokens, temperature=args.temperature,
+        max_batch_size=args.batch_size, seed=args.seed,
+        fidelity=args.policy != "gold" and (args.measure_fidelity or drift is not None))
 
 
 def summarize(args: argparse.Namespace, store: ResultStore, keys_in_order: list[tuple[str, str]],
@@ -179,7 +197,11 @@ def _cpu_name() -> str:
 def main(argv: list[str] | None = None) -> int:
     """0: every item scored; 1: some items could not run (errors; rerun the same --out to retry
     them); 2: a usage error (one line, nothing run)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    if any(a == MAX_STEPS_ALIAS or a.startswith(MAX_STEPS_ALIAS + "=") for a in argv):
+        print(f"fastrehearse eval: note: {MAX_STEPS_ALIAS} is the old name of --max-turns "
+              f"(the engine's max_turns); it still works", file=sys.stderr)
     try:
         res = run(args)
     except UsageError as e:
@@ -199,7 +221,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("--categories: empty list")
     if args.limit is not None and args.limit < 1:
         raise UsageError(f"--limit must be >= 1 (items per category), got {args.limit}")
-    for name in ("batch_size", "max_steps", "max_new_tokens", "max_episode_tokens", "rehearsal_horizon"):
+    for name in ("batch_size", "max_turns", "max_new_tokens", "max_episode_tokens", "rehearsal_horizon"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.rehearsal_budget < 0:
@@ -221,19 +243,20 @@ def run(args: argparse.Namespace, loaded=None) -> dict[str, Any]:
     try:   # suites and categories resolve (and fail) before the model loads
         drift = DriftSpec.parse(args.drift)
         sr = suites.build(args.suite, args.categories, args.limit,
-                          10**6 if args.policy == "gold" else args.max_steps, args.seed)
+                          10**6 if args.policy == "gold" else args.max_turns, args.seed)
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise UsageError(str(e).strip("'\"")) from None
     if not sr.items:
         raise UsageError(f"no items: suite {args.suite} categories {args.categories} are empty")
     if args.policy == "gold":
-        args.max_steps = 10**6
+        args.max_turns = 10**6
     config = {"harness": "engine", "suite": args.suite, "policy": args.policy,
               "rehearsal_budget": args.rehearsal_budget, "rehearsal_mode": args.rehearsal_mode,
               "rehearsal_horizon": args.rehearsal_horizon, "rehearsal_commit": args.rehearsal_commit,
               "rehearsal_temperature": args.rehearsal_temperature,
               "drift": drift.describe() if drift else None, "seed": args.seed,
-              "max_steps": args.max_steps, "max_new_tokens": args.max_new_tokens,
+              "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
+              "on_max_new_tokens": args.on_max_new_tokens, "on_malformed": args.on_malformed,
               "max_episode_tokens": args.max_episode_tokens, "temperature": args.temperature,
               "measure_fidelity": args.measure_fidelity,
               "limit": args.limit, "batch_size": args.batch_size, "categories": args.categories}
@@ -264,7 +287,7 @@ def run(args: argparse.Namespace, loaded=None) -> dict[str, Any]:
                 seen[1] += r.score
                 bar.set_postfix(acc=f"{seen[1] / seen[0]:.2f}")
 
-        evaluate_items(sr.items, make_env, model, tok, policy, store, s, max_turns_for=sr.max_steps_for,
+        evaluate_items(sr.items, make_env, model, tok, policy, store, s, max_turns_for=sr.max_turns_for,
                        deadline=None if args.time_limit_s is None else t0 + args.time_limit_s,
                        on_item=on_item)
         bar.close()

@@ -1,7 +1,6 @@
 """Markdown tables and PNG plots for eval results (matplotlib, Agg backend: no display needed)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -75,41 +74,3 @@ def write_run_report(res: dict[str, Any], out_dir: str | Path) -> list[Path]:
     md.write_text(results_markdown(res))
     return [md, plot_categories(res, out / "accuracy.png")]
 
-
-# ------------------------------------------------------------------ comparisons across runs
-def load(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    return json.loads((p / "results.json" if p.is_dir() else p).read_text())
-
-
-def comparison_markdown(rows: list[dict[str, Any]]) -> str:
-    """rows: {"model", "suite", "rehearsal" (N), "overall", "n", "gen_tokens", "rehearsal_tokens",
-    "seconds", optional "fidelity"}; one line each."""
-    head = ("| model | suite | rehearsal N | n items | accuracy (%) | committed tok/item | "
-            "rehearsal tok/item | wall s |")
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['model']} | {r['suite']} | {r['rehearsal']} | {r['n']} | {_pct(r['overall'])} | "
-                     f"{r['gen_tokens']:.0f} | {r['rehearsal_tokens']:.0f} | {r['seconds']:.0f} |")
-    return "\n".join(lines) + "\n"
-
-
-def plot_rehearsal_sweep(rows: list[dict[str, Any]], path: str | Path) -> Path:
-    """Accuracy and token cost against rehearsal budget N, one line per (model, suite)."""
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.4))
-    keys = sorted({(r["model"], r["suite"]) for r in rows})
-    for key in keys:
-        rs = sorted((r for r in rows if (r["model"], r["suite"]) == key), key=lambda r: r["rehearsal"])
-        ns = [r["rehearsal"] for r in rs]
-        label = f"{key[0]} / {key[1]}"
-        a1.plot(ns, [100 * (r["overall"] or 0) for r in rs], marker="o", label=label)
-        a2.plot(ns, [r["gen_tokens"] + r["rehearsal_tokens"] for r in rs], marker="o", label=label)
-    a1.set_xlabel("rehearsal budget N")
-    a1.set_ylabel("accuracy (%)")
-    a2.set_xlabel("rehearsal budget N")
-    a2.set_ylabel("generated tokens / item")
-    a1.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)

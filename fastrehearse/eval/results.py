@@ -53,7 +53,7 @@ class ResultStore:
         self.config = config
         run_path = self.dir / "run.json"
         if run_path.exists():
-            old = json.loads(run_path.read_text())
+            old = _upgrade_config(json.loads(run_path.read_text()))
             diff = {k: (old.get(k), config.get(k)) for k in set(old) | set(config)
                     if k not in _RESUME_FREE_KEYS and old.get(k) != config.get(k)}
             if diff.get("measure_fidelity") == (False, True):
@@ -117,6 +117,17 @@ class ResultStore:
 
 # Keys a rerun may change without invalidating finished items (more items, smaller batches).
 _RESUME_FREE_KEYS = {"limit", "batch_size", "categories", "prefill_batch_cells", "time_limit_s"}
+# run.json keys renamed since a directory was written (the engine's name now), and keys added
+# since, with the value every older run had: such a directory resumes under the new names.
+_RENAMED_KEYS = {"max_steps": "max_turns"}
+_ADDED_KEYS = {"on_max_new_tokens": "end_turn", "on_malformed": "error_response"}
+
+
+def _upgrade_config(old: dict[str, Any]) -> dict[str, Any]:
+    if old.get("harness") != "engine":        # pre-engine runs are refused by their harness key
+        return old
+    new = {_RENAMED_KEYS.get(k, k): v for k, v in old.items()}
+    return {**_ADDED_KEYS, **new}
 
 
 def per_category(items: list[ItemResult]) -> dict[str, dict[str, Any]]:

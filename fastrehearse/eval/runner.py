@@ -3,9 +3,12 @@
     engine = eval_engine(model, tok, EvalSettings(max_turns=12, max_new_tokens=256))
     results = evaluate_items(items, make_env, engine, policy, store, settings)
 
-`EvalSettings` holds every knob that changes a number; the CLI builds it from its flags and the
-trainer from its config (rollout limits, eval temperature), so a checkpoint evaluated by either,
-with the same settings and seed, gets the same per-item results (tests/test_eval_engine.py).
+`EvalSettings` holds every knob that changes a number. Its engine knobs are one
+`fastrehearse.rollout.RolloutConfig` (turn and token limits, cut turns, malformed calls,
+decoding): the CLI builds it from its flags over `EVAL_ROLLOUT`, the trainer with
+`EvalSettings.from_rollout(cfg.rollout, ...)` from its own rollout config, so no field is
+restated or dropped, and a checkpoint evaluated by either, with the same settings and seed, gets
+the same per-item results (tests/test_eval_engine.py).
 
 World-model fidelity (`fidelity=True`) is measured the way training measures it: a second pass of
 the same items in rehearse mode, where every rehearsed response is also executed against a fresh
@@ -13,28 +16,77 @@ real environment and compared (exact match, JSON field F1). It never touches the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 from fastrehearse.envs.base import Task, ToolEnv
 from fastrehearse.eval.harness import HarnessConfig, run_items
 from fastrehearse.eval.results import ItemResult, ResultStore
+from fastrehearse.rollout.engine import RolloutConfig
+
+# What `fastrehearse eval` runs with unless told otherwise: real tools, greedy, 12 agent turns per
+# user turn, 256 tokens per turn, 8 episodes decoded together; every other engine knob is
+# RolloutConfig's own default. (A suite may set its own turn limit: eval/suites.py.)
+EVAL_ROLLOUT = RolloutConfig(mode="real", temperature=0.0, max_turns=12, max_new_tokens=256,
+                             max_batch_size=8)
+_ENGINE_FIELDS = {f.name for f in fields(RolloutConfig)}
 
 
-@dataclass
+@dataclass(init=False)
 class EvalSettings:
-    max_turns: int = 12                     # agent turns per user turn (BFCL: its step limit)
-    max_new_tokens: int = 256               # per agent turn (and per rehearsed response)
-    max_episode_tokens: int | None = None   # None: the model's context length
-    temperature: float = 0.0                # 0 = greedy
-    top_p: float = 1.0
-    mode: str = "real"                      # how calls run in the scored pass (the trainer may
-                                            # measure success in rehearse mode; the CLI never does)
-    batch_size: int = 8
-    seed: int = 0
-    fidelity: bool = False                  # second, rehearse-mode pass for world-model fidelity
-    engine_options: dict | None = None      # further RolloutConfig fields (the trainer's
-                                            # rollout.options, e.g. parallel_tool_calls)
+    """rollout: the engine's settings for the scored pass (its `mode` says how calls run there;
+    `malformed_reward` and `measure_fidelity` are the evaluation's own, set by `eval_engine`);
+    fit_context: episodes may use the model's whole context (rollout.max_episode_tokens is then
+    ignored); seed; fidelity: a second, rehearse-mode pass for world-model fidelity."""
+    rollout: RolloutConfig
+    seed: int
+    fidelity: bool
+    fit_context: bool
+
+    def __init__(self, rollout: RolloutConfig | None = None, *, seed: int = 0,
+                 fidelity: bool = False, fit_context: bool | None = None, **engine):
+        """rollout: the base engine config (default EVAL_ROLLOUT); engine: RolloutConfig fields
+        replacing its values (`batch_size` is `max_batch_size`; `max_episode_tokens=None` means
+        the model's context length, the default without a base config). Unknown names raise."""
+        if "batch_size" in engine:
+            engine["max_batch_size"] = engine.pop("batch_size")
+        unknown = sorted(set(engine) - _ENGINE_FIELDS)
+        if unknown:
+            raise TypeError(f"EvalSettings: unknown engine setting(s) {unknown}; RolloutConfig "
+                            f"fields are {sorted(_ENGINE_FIELDS)}")
+        if fit_context is None:
+            fit_context = rollout is None
+        if "max_episode_tokens" in engine:
+            fit_context = engine["max_episode_tokens"] is None
+            if fit_context:
+                del engine["max_episode_tokens"]
+        base = rollout or EVAL_ROLLOUT
+        if type(base) is not RolloutConfig:   # e.g. the trainer's subclass: its engine fields only
+            base = RolloutConfig(**{f: getattr(base, f) for f in _ENGINE_FIELDS})
+        self.rollout = replace(base, **engine)
+        self.rollout.validate()
+        self.seed, self.fidelity, self.fit_context = seed, fidelity, fit_context
+
+    @classmethod
+    def from_rollout(cls, rollout: RolloutConfig, *, seed: int, fidelity: bool = False,
+                     **overrides) -> "EvalSettings":
+        """The evaluation of a run whose engine is configured by `rollout` (the trainer's
+        `cfg.rollout`): every engine field carried over (on_max_new_tokens, on_malformed,
+        parallel_tool_calls, max_episode_tokens, max_batch_size, ...); `overrides` replace named
+        RolloutConfig fields, e.g. `temperature=cfg.eval.temperature, mode=cfg.eval.mode`."""
+        return cls(rollout, seed=seed, fidelity=fidelity, **overrides)
+
+    def with_engine(self, **engine) -> "EvalSettings":
+        return EvalSettings(self.rollout, seed=self.seed, fidelity=self.fidelity,
+                            fit_context=self.fit_context, **engine)
+
+    @property
+    def max_turns(self) -> int:
+        return self.rollout.max_turns
+
+    @property
+    def batch_size(self) -> int:
+        return self.rollout.max_batch_size
 
 
 def context_length(model) -> int:
@@ -46,17 +98,17 @@ def context_length(model) -> int:
 
 def eval_engine(model, tokenizer, s: EvalSettings, *, mode: str | None = None, measure_fidelity: bool = False,
                 policy=None):
-    """The rollout engine an evaluation runs on. An episode's score is the benchmark's own
-    (`malformed_reward=None`: a malformed call is fed back as an error and graded by the checker,
-    never overridden). With a test-time rehearsal `policy` that keeps a prefix cache, the engine
-    reads it (an item's first prefill is the context its first rehearsal already stored)."""
-    from fastrehearse.rollout.engine import RolloutConfig, RolloutEngine
+    """The rollout engine an evaluation runs on: `s.rollout`, with the evaluation's own rules. An
+    episode's score is the benchmark's own (`malformed_reward=None`: a malformed call is fed back
+    as an error and graded by the checker, never overridden). With a test-time rehearsal `policy`
+    that keeps a prefix cache, the engine reads it (an item's first prefill is the context its
+    first rehearsal already stored)."""
+    from fastrehearse.rollout.engine import RolloutEngine
 
-    cfg = RolloutConfig(
-        mode=mode or s.mode, measure_fidelity=measure_fidelity, temperature=s.temperature, top_p=s.top_p,
-        max_new_tokens=s.max_new_tokens, max_turns=s.max_turns,
-        max_episode_tokens=s.max_episode_tokens or context_length(model),
-        malformed_reward=None, max_batch_size=s.batch_size, **(s.engine_options or {}))
+    cfg = replace(s.rollout, mode=mode or s.rollout.mode, measure_fidelity=measure_fidelity,
+                  malformed_reward=None,
+                  max_episode_tokens=(context_length(model) if s.fit_context
+                                      else s.rollout.max_episode_tokens))
     engine = RolloutEngine(model, tokenizer, cfg)
     shared = getattr(policy, "backend_factory", None)
     factory = shared(engine) if callable(shared) and model is not None else None
@@ -77,7 +129,7 @@ def evaluate_items(items: list[tuple[str, Task]], make_env: Callable[[str], Tool
     for c, t in items:   # one engine per turn limit (categories keep their order inside a group)
         groups.setdefault(max_turns_for(c) if max_turns_for else s.max_turns, []).append((c, t))
     for turns, group in groups.items():
-        st = replace(s, max_turns=turns)
+        st = s.with_engine(max_turns=turns)
         done = run_items(group, make_env, eval_engine(model, tokenizer, st, policy=policy), policy, store, hcfg,
                          seed=s.seed, on_item=None if s.fidelity else on_item)
         if s.fidelity:

@@ -25,14 +25,14 @@ SUITES = tuple(DEFAULT_CATEGORIES)
 # Policy turns per user turn. BFCL: its own MAXIMUM_STEP_LIMIT (bfcl_eval/constants/default_prompts.py).
 # builtin tasks need 2-5 calls; tau2 telecom solo tasks a handful (tau2's orchestrator allows 100
 # messages; 16 turns keeps CPU runs bounded -- an episode cut short scores what its state gives).
-DEFAULT_MAX_STEPS = {"builtin": 12, "bfcl": 20, "tau2": 16}
+DEFAULT_MAX_TURNS = {"builtin": 12, "bfcl": 20, "tau2": 16}
 
 
 @dataclass
 class SuiteRun:
     items: list[tuple[str, Task]]
     make_env: Callable[[str], ToolEnv]
-    max_steps_for: Callable[[str], int]
+    max_turns_for: Callable[[str], int]
 
 
 def _get_suite(name: str, **kw) -> Suite:
@@ -47,13 +47,13 @@ def _get_suite(name: str, **kw) -> Suite:
     raise ImportError(f"fastrehearse.envs has no get_suite() yet: suite {name!r} is unavailable")
 
 
-def build(suite: str, categories: list[str] | None, limit: int | None, max_steps: int | None = None,
+def build(suite: str, categories: list[str] | None, limit: int | None, max_turns: int | None = None,
           seed: int = 0) -> SuiteRun:
-    """max_steps None: the suite's default (DEFAULT_MAX_STEPS)."""
+    """max_turns None: the suite's default (DEFAULT_MAX_TURNS)."""
     if suite not in SUITES:
         raise ValueError(f"--suite must be one of {SUITES}, got {suite!r}")
     cats = list(categories or DEFAULT_CATEGORIES[suite])
-    max_steps = DEFAULT_MAX_STEPS[suite] if max_steps is None else max_steps
+    max_turns = DEFAULT_MAX_TURNS[suite] if max_turns is None else max_turns
     if limit is not None and limit < 0:
         raise ValueError(f"--limit must be >= 0, got {limit}")
     suites: dict[str, Suite] = {}
@@ -94,8 +94,8 @@ def build(suite: str, categories: list[str] | None, limit: int | None, max_steps
     def make_env(c: str) -> ToolEnv:
         return suites[c].make_env()
 
-    def max_steps_for(c: str) -> int:
+    def max_turns_for(c: str) -> int:
         # Single-turn BFCL: one assistant turn is the whole answer.
-        return 1 if c in BFCL_SINGLE else max_steps
+        return 1 if c in BFCL_SINGLE else max_turns
 
-    return SuiteRun(items, make_env, max_steps_for)
+    return SuiteRun(items, make_env, max_turns_for)

@@ -52,8 +52,9 @@ def evaluate(run: Run, *, tag: str) -> dict:
     """Held-out success (eval.mode, greedy by default) and world-model fidelity, over all ranks,
     computed by the evaluation code of `fastrehearse eval` (fastrehearse.eval.runner): the same
     checkpoint, items, limits and seed give the same per-item numbers as
-    `fastrehearse eval --max-steps <rollout.max_turns> --max-new-tokens <rollout.max_new_tokens>
-    --max-episode-tokens <rollout.max_episode_tokens> --seed <seed>`. A task that could not run is
+    `fastrehearse eval --max-turns <rollout.max_turns> --max-new-tokens <rollout.max_new_tokens>
+    --max-episode-tokens <rollout.max_episode_tokens> --on-max-new-tokens <rollout.on_max_new_tokens>
+    --seed <seed>`. A task that could not run is
     an error, never a 0; when none could run the eval (and the run) stops with TrainingError."""
 
     cfg, info = run.cfg, run.info
@@ -61,13 +62,10 @@ def evaluate(run: Run, *, tag: str) -> dict:
         return {}
     mine = run.eval_tasks[info.rank::info.world_size]
     t0 = time.perf_counter()
-    rc = cfg.rollout
-    settings = EvalSettings(
-        max_turns=rc.max_turns, max_new_tokens=rc.max_new_tokens, max_episode_tokens=rc.max_episode_tokens,
-        temperature=cfg.eval.temperature, top_p=rc.top_p, mode=cfg.eval.mode, batch_size=rc.max_batch_size,
-        seed=cfg.seed, fidelity=cfg.eval.fidelity,
-        engine_options={k: getattr(rc, k) for k in ("hybrid_p", "parallel_tool_calls", "on_malformed",
-                                                    "max_chunk", "rehearsal")})
+    # every engine field of the run's rollout config (on_max_new_tokens included), eval's own
+    # temperature and mode: the one builder the CLI's settings share (fastrehearse.eval.runner)
+    settings = EvalSettings.from_rollout(cfg.rollout, seed=cfg.seed, fidelity=cfg.eval.fidelity,
+                                         temperature=cfg.eval.temperature, mode=cfg.eval.mode)
     run.gen_model.eval()
     store = MemoryStore()
     evaluate_items([(cfg.env.eval_split, t) for t in mine], lambda c: run.suite.make_env(), run.gen_model,
