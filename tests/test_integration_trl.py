@@ -504,8 +504,9 @@ def test_head_check_like_with_like_under_autocast():
 # ---- MoE: the router aux loss, fused and through TRL's loss (issue 26, failure 2) ----------------
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "trl_loss"])
 @pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
-def test_moe_router_aux_loss_fused_and_fallback_match_trl(tmp_path, kind):
+def test_moe_router_aux_loss_matches_trl(tmp_path, kind, fused):
     """TRL 1.16 turns the MoE load-balancing loss on by default. The fused loss adds it itself
     (the router logits of the same forward), and the fallback (TRL's loss on fastrehearse
     log-probs) gets it from the patched forward: both match TRL's gradients and aux_loss metric."""
@@ -513,15 +514,14 @@ def test_moe_router_aux_loss_fused_and_fallback_match_trl(tmp_path, kind):
     ref_tr, g_ref = train(trl.GRPOTrainer, copy.deepcopy(base), tmp_path / "ref")
     assert ref_tr.aux_loss_enabled
     aux_ref = [h["aux_loss"] for h in ref_tr.state.log_history if "aux_loss" in h]
-    for fused in (True, False):
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", UserWarning)   # no fallback warning on the fused path
-            fast, g_fast = train(fr_trl.FastGRPOTrainer, copy.deepcopy(base),
-                                 tmp_path / f"fast{fused}", extra={"fused_loss": fused})
-        assert fast.fused_loss_calls == (3 if fused else 0)
-        assert_grads_equal(g_ref, g_fast)
-        aux = [h["aux_loss"] for h in fast.state.log_history if "aux_loss" in h]
-        assert len(aux) == 3 and aux == pytest.approx(aux_ref, rel=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)   # no fallback warning on the fused path
+        fast, g_fast = train(fr_trl.FastGRPOTrainer, copy.deepcopy(base), tmp_path / "fast",
+                             extra={"fused_loss": fused})
+    assert fast.fused_loss_calls == (3 if fused else 0)
+    assert_grads_equal(g_ref, g_fast)
+    aux = [h["aux_loss"] for h in fast.state.log_history if "aux_loss" in h]
+    assert len(aux) == 3 and aux == pytest.approx(aux_ref, rel=1e-5)
 
 
 # ---- PEFT / LoRA policies ------------------------------------------------------------------------
