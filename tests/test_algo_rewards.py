@@ -279,3 +279,34 @@ def llama():
     from fastrehearse.rollout.template import ChatTemplate
     model, tok = load_model("tiny-llama")
     return model, tok, ChatTemplate(tok)
+
+
+def test_trainer_rollout_assigns_the_configured_rewards(llama, monkeypatch):
+    """train/rollouts.py: `rollout()` applies env.reward / algo.world_reward to the engine's
+    episodes, `slim_episode` keeps what the advantages read, `rollout_row` logs both rewards."""
+    import functools
+    import types
+
+    from fastrehearse.rollout.template import assistant_text
+    from fastrehearse.rollout.testing import ScriptedTurns
+    from fastrehearse.train import rollouts
+    from fastrehearse.train.config import load_config
+    model, tok, tmpl = llama
+    task = _easy("get_balance")
+    aid = task.payload["required_calls"][0]["arguments"]["account_id"]
+    acts = [assistant_text(task.gold[0]), "The balance is 1234.56 USD."]
+    tools = [json.dumps({"account_id": aid, "balance": 1234.56, "currency": "USD"}, separators=(",", ":"))]
+    monkeypatch.setattr(rollouts, "RolloutEngine", functools.partial(
+        rollouts.RolloutEngine, template=tmpl, logits_processor=ScriptedTurns(tmpl, acts, tools)))
+    cfg = load_config("configs/learning_tiny.yaml", ["env.reward=consistent", "algo.world_reward.mode=world",
+                                                     "rollout.max_new_tokens=80"])
+    run = types.SimpleNamespace(cfg=cfg, gen_model=model, tokenizer=tok, suite=EASY, logger=None)
+    eps, metrics, failures = rollouts.rollout(run, [task], mode="rehearse", temperature=1.0, seed=0, group_size=2,
+                                              measure_fidelity=True)
+    assert failures == 0 and len(eps) == 2
+    slim = [rollouts.slim_episode(e) for e in eps]
+    for e in slim:
+        assert e.reward == 1.0 and e.metadata["reward_real"] == 0.0
+        assert e.role_rewards[int(Role.REHEARSE)] == e.metadata["world_reward"]["reward"] > 0.5
+    row = rollouts.rollout_row(slim, [metrics], 1.0)
+    assert row["reward"] == 1.0 and row["reward_real"] == 0.0 and 0.5 < row["world_reward"] <= 1.0

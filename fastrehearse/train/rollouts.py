@@ -10,6 +10,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
 )
 
+from fastrehearse.algo.rewards import KEPT_METADATA, assign_rewards, reward_row
 from fastrehearse.data import Episode
 from fastrehearse.eval.runner import EvalSettings, MemoryStore, evaluate_items
 from fastrehearse.rollout.engine import RolloutEngine
@@ -32,20 +33,33 @@ def rollout(run: Run, tasks, *, mode: str, temperature: float, seed: int, group_
     run.gen_model.eval()
     try:
         res = engine.rollout(tasks, run.suite, group_size=group_size, seed=seed)
-        return res.episodes, res.metrics, 0
     except Exception as e:  # noqa: BLE001 - any engine bug: isolate the failing task(s)
         run.logger.write(f"rollout failed on a batch of {len(tasks)} tasks ({type(e).__name__}: {e}); "
                          f"retrying one task at a time")
+    else:
+        _rewards(run, res, tasks, mode)    # outside the retry: a reward bug is not an engine failure
+        return res.episodes, res.metrics, 0
     episodes, metrics, failures = [], {}, 0
     for i, t in enumerate(tasks):
         try:
             res = engine.rollout([t], run.suite, group_size=group_size, seed=seed * 1000 + i)
-            episodes += res.episodes
-            metrics = res.metrics
         except Exception as e:  # noqa: BLE001
             failures += 1
             run.logger.write(f"rollout failed for task {t.id}: {type(e).__name__}: {e}")
+            continue
+        _rewards(run, res, [t], mode)
+        episodes += res.episodes
+        metrics = res.metrics
     return episodes, metrics, failures
+
+
+def _rewards(run: Run, res, tasks, mode: str) -> None:
+    """The training rewards per role (fastrehearse.algo.rewards: env.reward, algo.world_reward,
+    algo.hybrid_baseline); the engine's score stays in metadata["reward_real"]."""
+    c = run.cfg
+    assign_rewards(res.episodes, res.trajectories, tasks, run.suite, task_reward=c.env.reward,
+                   world=c.algo.world_reward, rollout_mode=mode, malformed_reward=c.rollout.malformed_reward,
+                   hybrid_baseline=c.algo.hybrid_baseline)
 
 
 def evaluate(run: Run, *, tag: str) -> dict:
@@ -104,8 +118,8 @@ def sync_generation_weights(run: Run) -> None:
 
 def slim_episode(ep: Episode) -> Episode:
     """Drop heavy metadata (trajectories) before sending episodes to other ranks."""
-    keep = {k: ep.metadata[k] for k in ("group", "sample", "stop_reason", "turns", "malformed", "fidelity")
-            if k in ep.metadata}
+    keep = {k: ep.metadata[k] for k in ("group", "sample", "stop_reason", "turns", "malformed", "fidelity",
+                                        *KEPT_METADATA) if k in ep.metadata}
     return Episode(input_ids=ep.input_ids, roles=ep.roles, task_id=ep.task_id, reward=ep.reward,
                    rollout_logprobs=ep.rollout_logprobs, role_rewards=dict(ep.role_rewards), metadata=keep)
 
@@ -119,6 +133,7 @@ def rollout_row(episodes: list[Episode], metrics: list[dict], rollout_s: float) 
     fid = [s["field_f1"] for e in episodes for s in e.metadata.get("fidelity", [])]
     if fid:
         row["fidelity"] = sum(fid) / len(fid)
+    row.update(reward_row(episodes))     # reward_real, world-model reward terms, hybrid strata
     tok = sum(m.get("prefill_tokens", 0) + m.get("decode_tokens", 0) for m in metrics if m)
     if rollout_s > 0 and tok:
         row["rollout_tokens_per_s"] = tok / rollout_s
