@@ -165,13 +165,15 @@ def main(argv=None):
                 table, ["V", "method", "median ms", "vs trl", "peak"])
     # side-by-side ratio per round (the rounds interleave the methods, so load changes hit
     # both alike), then the median over rounds
-    fused_vs_lp = {}
+    fused_vs_lp, vs_trl = {}, {}
     for v in args.vocab:
         by = {r["method"]: r for r in rows if r["V"] == v and "times_ms" in r}
-        for m in ("fr-fused", "fr-fused-noent"):
-            if m in by and "fr-logprobs" in by:
-                pairs = [a / b for a, b in zip(by[m]["times_ms"], by["fr-logprobs"]["times_ms"])]
-                fused_vs_lp.setdefault(m, {})[v] = round(statistics.median(pairs), 3)
+        for m in METHODS[1:]:
+            for base, into in (("fr-logprobs", fused_vs_lp), ("trl", vs_trl)):
+                if m in by and base in by and m != base and (base == "trl" or "fused" in m):
+                    pairs = [a / b for a, b in zip(by[m]["times_ms"], by[base]["times_ms"])]
+                    into.setdefault(m, {})[v] = round(statistics.median(pairs), 3)
+    print("time / TRL's own head + loss, median of per-round ratios:", vs_trl)
     print("fused on-policy / (log-probs + torch loss), median of per-round ratios:", fused_vs_lp)
     name = "bench_integrations" if args.model == "llama" else f"bench_integrations_{args.model}"
     out = args.out or default_json(name, device)
@@ -181,7 +183,8 @@ def main(argv=None):
                                  "fr-logprobs": "FastGRPOTrainer(fused_loss=False)",
                                  "fr-fused": "FastGRPOTrainer fused loss, old_logp=None",
                                  "fr-fused-noent": "fr-fused with entropy_metric=False"},
-                     "rows": rows, "fused_over_logprobs_time_paired_median": fused_vs_lp})
+                     "rows": rows, "fused_over_logprobs_time_paired_median": fused_vs_lp,
+                     "over_trl_time_paired_median": vs_trl})
     plot(out, rows, device.type, args)
     return rows
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from fastrehearse.kernels import linear_logprobs
-from fastrehearse.model import lm_head as head_spec
 
 SUPPORTED_OUTPUTS = ("log_probs", "entropy")
 
@@ -76,11 +75,19 @@ def head_transform(model) -> HeadTransform:
     the trainer reads too). Raises UnsupportedModelError for heads the kernels cannot run.
     Transforms no config field announces are caught by `verify_head`."""
     head = resolve_head(model)
+    head_spec = _head_spec()
     try:
         kw = head_spec.head_settings(model)
     except head_spec.HeadSpecError as e:
         raise UnsupportedModelError(str(e)) from None
     return HeadTransform(head.bias is not None, kw.get("logit_softcap"), kw.get("logit_scale"))
+
+
+def _head_spec():
+    # fastrehearse.model imports transformers (it registers the varlen attention); this module
+    # must import without it (the kernels-only install imports the integrations)
+    from fastrehearse.model import lm_head
+    return lm_head
 
 
 def full_tensor(t):
@@ -184,7 +191,7 @@ def verify_head(model, tr: HeadTransform, forward=None, seq_len: int = 8) -> Non
             f"{name}: logits {tuple(logits.shape)} / head output {tuple(z.shape)} / hidden "
             f"{tuple(h.shape)} vs head input {tuple(x.shape)}: fastrehearse cannot score this model")
     # 1. the head sees the backbone's output (MiniCPM3: divided by logits_scaling first)
-    pre = head_spec.hidden_multiplier(model)
+    pre = _head_spec().hidden_multiplier(model)
     want_x = h * pre
     _check(name, "its LM head's input is not its backbone's last hidden state",
            x.double(), want_x, (2 * _unit_roundoff(x) if pre != 1.0 else 0.0) * want_x.abs())
