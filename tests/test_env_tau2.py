@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 
@@ -152,3 +153,21 @@ def test_user_simulator_domains_off_without_endpoint(monkeypatch):
     with pytest.raises(ValueError, match="task"):
         suite.make_env().reset(Task(id="x", split="telecom", payload={}))
     assert [t.id for t in Tau2Suite(with_gold=False).tasks("telecom:test", limit=2)][0].startswith("telecom/")
+
+
+def test_evaluator_crash_is_an_error_not_a_zero(telecom, monkeypatch):
+    """tau2's evaluate_simulation raising is not a grade: score raises Tau2ScoreError naming the
+    task and the cause (it used to return 0.0, a failure recorded as a score)."""
+    from fastrehearse.envs.tau2 import Tau2ScoreError, import_tau2
+
+    task = telecom[0]
+    env = SUITE.make_env()
+    env.reset(task)
+    traj = Trajectory(messages=[m for m in task.gold if m["role"] == "assistant"])
+
+    def boom(**kw):
+        raise KeyError("reward_basis")
+
+    monkeypatch.setattr(import_tau2(), "evaluate_simulation", boom)
+    with pytest.raises(Tau2ScoreError, match=re.escape(f"{task.id}: KeyError: 'reward_basis'")):
+        env.score(task, traj)

@@ -151,3 +151,31 @@ def test_unreachable_user_simulator_is_an_error_retried_on_rerun(tmp_path, monke
         sim.close()
     items = ResultStore(tmp_path, {}).items()
     assert len(items) == 1 and items[0].score == 1.0 and items[0].error is None
+
+
+def test_evaluator_crash_is_an_error_retried_on_rerun(tmp_path, monkeypatch, engine):
+    """tau2's evaluator crashing on an episode: the engine records it as the episode's score
+    error, evaluation as an error (score None, not counted), and a rerun scores the item."""
+    from fastrehearse.envs import get_suite
+    from fastrehearse.envs.tau2 import import_tau2
+    from fastrehearse.eval.results import per_category
+    from fastrehearse.rollout.policy import GoldPolicy
+
+    suite = get_suite("tau2")
+    task = suite.tasks("telecom", limit=1)[0]
+    t2 = import_tau2()
+    real = t2.evaluate_simulation
+
+    def boom(**kw):
+        raise ValueError("evaluator bug")
+
+    monkeypatch.setattr(t2, "evaluate_simulation", boom)
+    [r] = run_items([("telecom", task)], lambda c: suite.make_env(), engine, GoldPolicy(),
+                    ResultStore(tmp_path, {}), HarnessConfig(batch_size=1))
+    assert r.score is None and "Tau2ScoreError" in r.error and "evaluator bug" in r.error, r.error
+    cat = per_category(ResultStore(tmp_path, {}).items())["telecom"]
+    assert cat["errors"] == 1 and cat["n"] == 0 and cat["accuracy"] is None
+    monkeypatch.setattr(t2, "evaluate_simulation", real)
+    [r] = run_items([("telecom", task)], lambda c: suite.make_env(), engine, GoldPolicy(),
+                    ResultStore(tmp_path, {}), HarnessConfig(batch_size=1))
+    assert r.error is None and r.score == 1.0

@@ -329,10 +329,19 @@ class Tau2Env(ToolEnv):
                                      solo_mode=task.payload["solo"], domain=task.payload["domain"])
 
     def score(self, task: Task, trajectory: Trajectory) -> float:
+        """tau2's reward. tau2's evaluator failing is not a grade: it raises Tau2ScoreError, which
+        the rollout engine records as the episode's `score_error` (evaluation: an error, never a
+        0; a rerun retries it), as it does for any scorer."""
         try:
-            return float(self.evaluate(task, trajectory).reward)
-        except Exception:   # an evaluator crash on odd input is a failed episode, not a crash
-            return 0.0
+            reward = self.evaluate(task, trajectory).reward
+        except Exception as e:
+            raise Tau2ScoreError(f"tau2's evaluator failed on task {task.id}: "
+                                 f"{type(e).__name__}: {e}") from e
+        return float(reward)
+
+
+class Tau2ScoreError(RuntimeError):
+    """tau2's evaluate_simulation raised: the episode has no grade."""
 
 
 def gold_messages(tau2_task, domain: str, solo: bool) -> list[dict]:
