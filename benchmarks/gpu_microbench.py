@@ -15,7 +15,7 @@ accumulator addmm, dW_b GEMM) at the code's own block plan; then the whole fwd+b
 the latter at six tile configs.
 Every row prints the measured time, the roofline floor at the *measured* matmul rate and copy
 bandwidth (taken first), and benchmarks/roofline.py's prediction for the same piece at the
-stated H200 numbers. Also reports whether the fp32-output (`out_dtype`) GEMMs were used.
+stated H200 numbers (central estimate, with its optimistic - pessimistic range). Also reports whether the fp32-output (`out_dtype`) GEMMs were used.
 The JSON is rewritten after every row, so a timeout keeps what was measured.
 """
 from __future__ import annotations
@@ -107,9 +107,11 @@ def main(argv=None):
 
     def row(name, ms, piece: roofline.Piece):
         floor = max(piece.flops / (tflops * 1e12), piece.bytes / (tbps * 1e12)) * 1e3
-        pred = piece.ms(dev_model)
+        pred = piece.ms(dev_model)      # roofline.py's central estimate, and its range
+        rng = [round(piece.ms(dev_model, a), 4) for a in (roofline.OPTIMISTIC, roofline.PESSIMISTIC)]
         r = {"name": name, "ms": round(ms, 4), "floor_ms_measured_rates": round(floor, 4),
-             "predicted_ms_h200": round(pred, 4), "vs_floor": round(ms / floor, 2) if floor else None,
+             "predicted_ms_h200": round(pred, 4), "predicted_ms_h200_range": rng,
+             "vs_floor": round(ms / floor, 2) if floor else None,
              "tflops": round(piece.flops / ms / 1e9, 1) if piece.flops else None,
              "tbps": round(piece.bytes / ms / 1e9, 3) if piece.bytes else None}
         out["rows"].append(r)
@@ -190,7 +192,10 @@ def main(argv=None):
         floor_flops = design.floor_nhv * a.n * a.h * a.v
         ms = bench_ms(fn, dev, reps=200)
         row(name, ms, roofline.Piece("", floor_flops, 0.0))
-        out["rows"][-1]["predicted_ms_h200"] = round(sum(p.ms(dev_model) for p in design.pieces), 3)
+        t = roofline.times(design.pieces, dev_model)
+        out["rows"][-1]["predicted_ms_h200"] = round(t["central"], 3)
+        out["rows"][-1]["predicted_ms_h200_range"] = [round(t["optimistic"], 3),
+                                                      round(t["pessimistic"], 3)]
         out["rows"][-1]["note"] = f"floor = {design.floor_nhv}NHV at the measured rate"
 
     # linear_logprobs: the vocabulary-outer backward at workspace budgets (default: the code's)
