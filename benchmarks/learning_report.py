@@ -1,0 +1,453 @@
+"""The learning experiment's report (benchmarks/bench_learning.py): reads every run directory's own
+files -- eval items.jsonl, teacher_forced*.json, metrics.jsonl, the export -- and writes per-item
+results, per-seed and per-arm numbers, contrasts with 95% intervals (learning_stats.py), the
+minimum detectable effect, the training signal of each RL run, and the JSON / MD / PNG.
+
+Per checkpoint, per item (item ids are the same for every checkpoint, so contrasts are paired):
+  answer_seen     answer-checked success, held-out tasks of the trained tool families (real tools)
+  call_seen       the same episodes graded on the call alone (the builtin `calls` mode: the gold
+                  call made and succeeded), rescored from the eval's transcripts
+  answer_heldout  answer-checked success on the held-out family (its answers copy a response field)
+  call_heldout    call success there
+  answer_drift    answer-checked success under API drift (rename, errors, units, formats)
+  tf_answer       log-prob (nats) of the gold final answer given the real responses (256 items)
+  tf_answer_heldout  the same on the held-out family
+  reh_schema / reh_echo / reh_hidden / reh_f1   teacher-forced rehearsal of the first gold call:
+                  key paths, echoed arguments, hidden values, field F1 (seen families)
+  reh_hidden_heldout  hidden values on the held-out family
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import learning_stats as ls
+from _common import hardware
+
+METRICS = {   # key -> (label, kind): kind "rate" in [0, 1] shown in %, "nats" a log-prob
+    "answer_seen": ("answer-checked, seen families", "rate"),
+    "call_seen": ("call success, seen families", "rate"),
+    "answer_heldout": ("answer-checked, held-out family", "rate"),
+    "call_heldout": ("call success, held-out family", "rate"),
+    "answer_drift": ("answer-checked under API drift", "rate"),
+    "tf_answer": ("teacher-forced log p(gold answer), nats", "nats"),
+    "tf_answer_heldout": ("teacher-forced log p(gold answer), held-out family", "nats"),
+    "reh_schema": ("rehearsal: schema (key paths)", "rate"),
+    "reh_echo": ("rehearsal: echoed arguments", "rate"),
+    "reh_hidden": ("rehearsal: hidden values", "rate"),
+    "reh_f1": ("rehearsal: field F1", "rate"),
+    "reh_hidden_heldout": ("rehearsal: hidden values, held-out family", "rate"),
+}
+PRIMARY = [("Ca", "Cc", "answer_seen"), ("Ca", "R", "answer_seen")]
+SECONDARY = [("Ca", "Cc", "reh_schema"), ("Ca", "Cc", "reh_hidden"), ("H", "Ca", "reh_hidden"),
+             ("H", "Ca", "answer_seen"), ("R", "S", "answer_seen"), ("Ca", "S", "answer_seen"),
+             ("Ca", "Cc", "call_heldout"), ("Ca", "Cc", "answer_heldout"), ("Ca", "Cc", "tf_answer"),
+             ("Ca", "R", "tf_answer"), ("Ca", "Cc", "answer_drift")]
+
+
+# ---- reading one checkpoint --------------------------------------------------------------------
+def _items(path: Path) -> list[dict]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for ln in lines:
+        try:
+            out.append(json.loads(ln))
+        except ValueError:
+            pass   # a line cut short by a kill
+    return out
+
+
+def _suite_tasks(category: str, n: int) -> dict:
+    """The tasks of a builtin eval category 'test:LEVEL:TOOLS:answer', by id."""
+    from fastrehearse.envs.builtin import BuiltinSuite
+    split, level, tools, *_ = category.split(":")
+    suite = BuiltinSuite(level=level, tools=tools, easy_answer=True)
+    return suite, {t.id: t for t in suite.tasks(split, limit=n)}
+
+
+def call_success(suite, task, transcript: list[dict]) -> float:
+    """The builtin `calls` score (gold call made and succeeded, replayed on the real world) of an
+    eval transcript: its assistant texts are re-parsed with the task's tool schemas, as the engine
+    parsed them."""
+    from fastrehearse.envs.base import Trajectory
+    from fastrehearse.envs.builtin.tools import SCHEMAS
+    from fastrehearse.rollout.toolcall import parse_tool_calls
+    schemas = [SCHEMAS[t] for t in task.payload["tools"]]
+    msgs = []
+    for m in transcript:
+        if m.get("role") != "assistant":
+            continue
+        calls = [c.call for c in parse_tool_calls(m.get("content") or "", schemas).calls if c.ok]
+        msgs.append({"role": "assistant", "content": m.get("content") or "",
+                     "tool_calls": [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                    for c in calls]})
+    return suite.task_reward(task, Trajectory(messages=msgs), "calls")
+
+
+def read_checkpoint(a, cfg, run_dir: Path, cats: dict) -> tuple[dict, list[str]]:
+    """{metric: {item_id: value}} of one checkpoint from its own files, and what is missing."""
+    out: dict[str, dict] = {k: {} for k in METRICS}
+    missing = []
+    for key, cat in (("seen", cats["seen"]), ("heldout", cats["heldout"])):
+        rows = [r for r in _items(run_dir / "eval" / "items.jsonl") if r.get("category") == cat]
+        ok = [r for r in rows if r.get("error") is None and r.get("score") is not None]
+        if len(ok) != a.n_eval:
+            missing.append(f"{run_dir}/eval: {cat} has {len(ok)} scored items of {a.n_eval}")
+            continue
+        suite, tasks = _suite_tasks(cat, a.n_eval)
+        for r in ok:
+            out[f"answer_{key}"][r["id"]] = float(r["score"])
+            tr = (r.get("extra") or {}).get("transcript")
+            if tr is None or r["id"] not in tasks:
+                missing.append(f"{run_dir}/eval: {r['id']} has no transcript to rescore the call")
+                continue
+            out[f"call_{key}"][r["id"]] = call_success(suite, tasks[r["id"]], tr)
+    if not a.no_drift:
+        rows = [r for r in _items(run_dir / "eval_drift" / "items.jsonl") if r.get("category") == cats["seen"]]
+        ok = [r for r in rows if r.get("error") is None and r.get("score") is not None]
+        if len(ok) == a.n_eval:
+            out["answer_drift"] = {r["id"]: float(r["score"]) for r in ok}
+        else:
+            missing.append(f"{run_dir}/eval_drift: {len(ok)} scored items of {a.n_eval}")
+    for name, suffix, n in (("teacher_forced.json", "", a.n_tf), ("teacher_forced_heldout.json", "_heldout", a.n_eval)):
+        try:
+            tf = json.loads((run_dir / name).read_text())
+        except (OSError, ValueError):
+            missing.append(f"{run_dir}/{name}: not written")
+            continue
+        if len(tf["logprob_items"]) != n or len(tf["rehearsal_items"]) != a.n_rehearsal:
+            missing.append(f"{run_dir}/{name}: {len(tf['logprob_items'])} / {len(tf['rehearsal_items'])} items")
+            continue
+        out[f"tf_answer{suffix}"] = {r["id"]: r["answer_logprob"] for r in tf["logprob_items"]}
+        for r in tf["rehearsal_items"]:
+            if suffix:
+                if r.get("hidden") is not None:
+                    out["reh_hidden_heldout"][r["id"]] = r["hidden"]
+                continue
+            for k in ("schema", "echo", "hidden"):
+                if r.get(k) is not None:
+                    out[f"reh_{k}"][r["id"]] = r[k]
+            out["reh_f1"][r["id"]] = r["field_f1"]
+    return out, missing
+
+
+def curves(run_dir: Path) -> dict:
+    keys = ("reward", "reward_real", "world_reward", "world_format", "world_grounded", "fidelity",
+            "zero_signal_groups", "real_stratum_frac", "loss", "episodes")
+    out = {"step": [], "stage": [], **{k: [] for k in keys}}
+    for r in _items(run_dir / "metrics.jsonl"):
+        if "step" not in r:
+            continue
+        out["step"].append(r["step"])
+        out["stage"].append(r.get("stage"))
+        for k in keys:
+            out[k].append(r.get(k))
+    return out
+
+
+def training_signal(c: dict) -> dict:
+    """What the RL steps had to learn from: mean trained reward, mean real-world reward, the share
+    of groups with zero ACT advantage, steps with at least one group carrying signal."""
+    rl = [i for i, st in enumerate(c.get("stage", [])) if st == "rl"]
+
+    def mean(key):
+        v = [c[key][i] for i in rl if c[key][i] is not None]
+        return sum(v) / len(v) if v else None
+    z = [c["zero_signal_groups"][i] for i in rl if c["zero_signal_groups"][i] is not None]
+    return {"rl_steps": len(rl), "mean_reward": mean("reward"), "mean_reward_real": mean("reward_real"),
+            "mean_world_reward": mean("world_reward"), "zero_signal_share": sum(z) / len(z) if z else None,
+            "steps_with_signal": sum(1 for x in z if x < 1.0), "mean_rollout_fidelity": mean("fidelity")}
+
+
+def weight_change(export: Path, ref: Path) -> float | None:
+    """||W - W_warmup|| / ||W_warmup|| over every stored tensor (float64)."""
+    from safetensors.torch import load_file
+    try:
+        x = {k: v for f in sorted(export.glob("*.safetensors")) for k, v in load_file(f).items()}
+        y = {k: v for f in sorted(ref.glob("*.safetensors")) for k, v in load_file(f).items()}
+    except (OSError, ValueError):
+        return None
+    if not x or x.keys() != y.keys():
+        return None
+    num = sum(float((x[k].double() - y[k].double()).pow(2).sum()) for k in x)
+    den = sum(float(y[k].double().pow(2).sum()) for k in y)
+    return math.sqrt(num / den) if den > 0 else None
+
+
+def _mean(d: dict) -> float | None:
+    return sum(d.values()) / len(d) if d else None
+
+
+def summary(xs: list) -> dict:
+    v = [x for x in xs if x is not None]
+    if not v:
+        return {"mean": None, "std": None, "n_seeds": 0, "seeds": []}
+    m = sum(v) / len(v)
+    sd = math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1)) if len(v) > 1 else None
+    return {"mean": m, "std": sd, "n_seeds": len(v), "seeds": v}
+
+
+def contrast(arms: dict, a: str, b: str, metric: str) -> dict | None:
+    """A - B on `metric`: Welch over seed means, paired bootstrap over seeds and items, the MDE."""
+    if a not in arms or b not in arms:
+        return None
+    A = {s: r["items"][metric] for s, r in arms[a]["seeds"].items() if r["items"].get(metric)}
+    B = {s: r["items"][metric] for s, r in arms[b]["seeds"].items() if r["items"].get(metric)}
+    if not A or not B:
+        return {"a": a, "b": b, "metric": metric, "missing": True}
+    w = ls.welch([_mean(v) for v in A.values()], [_mean(v) for v in B.values()])
+    try:
+        bs = ls.bootstrap(A, B)
+    except ValueError:
+        bs = None
+    return {"a": a, "b": b, "metric": metric, "n_seeds": [len(A), len(B)], "welch": w, "bootstrap": bs,
+            "mde": ls.mde([_mean(v) for v in A.values()], [_mean(v) for v in B.values()])}
+
+
+# ---- the report --------------------------------------------------------------------------------
+def report(a, cfg, pl: dict, failures: list, wall_s: float | None, est: dict) -> dict:
+    from bench_learning import ARM_NAMES, ARM_SETS, categories, same_as_warmup, shell
+    cats = categories(a, cfg)
+    warm = pl["warmup"]["run_dir"]
+    w_items, missing = read_checkpoint(a, cfg, warm, cats)
+    arms = {}
+    for arm in a.arms:
+        seeds = {}
+        for seed in range(a.seeds[arm]):
+            job = pl["runs"][(arm, seed)]
+            d = job["run_dir"]
+            shared = same_as_warmup(d, warm) if (d / "export").exists() else None
+            items, miss = read_checkpoint(a, cfg, warm if shared else d, cats)
+            missing += miss
+            cv = curves(d)
+            seeds[str(seed)] = {"run_dir": str(d), "items": items,
+                                "metrics": {k: _mean(v) for k, v in items.items()},
+                                "weights_same_as_warmup": shared,
+                                "weight_change": weight_change(d / "export", warm / "export"),
+                                "curves": cv, "signal": training_signal(cv),
+                                "train_command": shell(job["train"], a.threads),
+                                "eval_commands": [shell(c, a.threads) for _, _, c in job["evals"]]}
+        summ = {k: summary([s["metrics"][k] for s in seeds.values()]) for k in METRICS}
+        summ["weight_change"] = summary([s["weight_change"] for s in seeds.values()])
+        arms[arm] = {"name": ARM_NAMES[arm], "sets": ARM_SETS[arm], "seeds": seeds, "summary": summ}
+    contrasts = {"primary": [c for c in (contrast(arms, *x) for x in PRIMARY) if c],
+                 "secondary": [c for c in (contrast(arms, *x) for x in SECONDARY) if c],
+                 "answer_seen_all_pairs": [c for c in (contrast(arms, x, y, "answer_seen")
+                                                       for i, x in enumerate(a.arms) for y in a.arms[i + 1:]) if c]}
+    ca = arms.get("Ca", {}).get("seeds", {})
+    sig = [s["signal"] for s in ca.values() if s["signal"]["rl_steps"]]
+    judged = None
+    if sig:
+        r = [x["mean_reward"] for x in sig if x["mean_reward"] is not None]
+        mr = sum(r) / len(r) if r else None
+        judged = {"mean_reward": mr, "in_open_interval": mr is not None and 0.05 < mr < 0.95,
+                  "steps_with_nonzero_advantage_groups": sum(x["steps_with_signal"] for x in sig),
+                  "rl_steps": sum(x["rl_steps"] for x in sig)}
+    return {
+        "what": "issue 25: rehearsal with a reward computable inside the rehearsed world (Ca) vs "
+                "real-environment GRPO (R), the calls-only control (Cc), hybrid with a grounded "
+                "world-model reward (H) and SFT-only (S), from one SFT warm-up, matched steps / lr / "
+                "trajectories per step; held-out eval by `fastrehearse eval` (real tools, greedy) and "
+                "fastrehearse.eval.teacher_forced",
+        "tiny": a.tiny, "config": str(a.config), "level": a.level, "extra_sets": a.sets,
+        "hardware": hardware(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "wall_s_this_invocation": wall_s,
+        "plan": {"arms": a.arms, "seeds": a.seeds, "steps_per_arm": a.steps, "n_eval": a.n_eval, "n_tf": a.n_tf,
+                 "n_rehearsal": a.n_rehearsal, "warmup_sft_steps": cfg.sft.steps,
+                 "tasks_per_step": cfg.rollout.tasks_per_step, "group_size": cfg.rollout.group_size,
+                 "lr": cfg.optim.lr, "min_lr_ratio": cfg.optim.min_lr_ratio, "categories": cats,
+                 "drift": None if a.no_drift else "rename,errors,units,formats", "estimate": est},
+        "metrics": {k: v[0] for k, v in METRICS.items()},
+        "warmup": {"run_dir": str(warm), "items": w_items, "metrics": {k: _mean(v) for k, v in w_items.items()},
+                   "train_command": shell(pl["warmup"]["train"], a.threads),
+                   "eval_commands": [shell(c, a.threads) for _, _, c in pl["warmup"]["evals"]]},
+        "arms": arms, "contrasts": contrasts, "consistent_arm_signal": judged,
+        "missing": missing, "failures": failures,
+    }
+
+
+def pilot_verdict(a, cfg, pl: dict, failures: list, window: tuple[float, float]) -> int:
+    from bench_learning import categories
+    if failures:
+        print(f"pilot: {len(failures)} command(s) failed: {failures}")
+        return 1
+    items, missing = read_checkpoint(a, cfg, pl["warmup"]["run_dir"], categories(a, cfg))
+    ans = _mean(items["answer_seen"])
+    if ans is None:
+        print(f"pilot: the warm-up's answer-checked success is missing: {missing}")
+        return 1
+    ok = window[0] <= ans <= window[1]
+    print(f"pilot: warm-up answer-checked success {100 * ans:.1f}% on {len(items['answer_seen'])} held-out tasks "
+          f"of {a.level} (call success {100 * (_mean(items['call_seen']) or 0):.1f}%); window "
+          f"{100 * window[0]:.0f}-{100 * window[1]:.0f}%: {'inside, run the arms' if ok else 'OUTSIDE: pick another level'}")
+    return 0 if ok else 3
+
+
+# ---- outputs -----------------------------------------------------------------------------------
+def _cell(s: dict, kind: str) -> str:
+    if s["mean"] is None:
+        return "missing"
+    f = (lambda x: f"{100 * x:.1f}") if kind == "rate" else (lambda x: f"{x:.2f}")
+    sd = f" ± {f(s['std'])}" if s["std"] is not None else ""
+    return f"{f(s['mean'])}{sd}"
+
+
+def _ci(c: dict, kind: str) -> str:
+    if c.get("missing"):
+        return "missing"
+    f = (lambda x: f"{100 * x:+.1f}") if kind == "rate" else (lambda x: f"{x:+.2f}")
+    w, b = c["welch"], c["bootstrap"]
+    wt = f"[{f(w['lo'])}, {f(w['hi'])}]" if w["lo"] is not None else "n/a (< 2 seeds)"
+    bt = f"[{f(b['lo'])}, {f(b['hi'])}]" if b else "n/a"
+    mde = "-" if c["mde"] is None else (f"{100 * c['mde']:.1f}" if kind == "rate" else f"{c['mde']:.2f}")
+    return f"{f(w['diff'])} | {wt} | {bt} | {mde}"
+
+
+def write_md(res: dict, path: Path) -> None:
+    p = res["plan"]
+    tiny = " (TINY random model: pipeline check, not a result)" if res["tiny"] else ""
+    lines = [f"# Learning experiment v2{tiny}", "", f"{res['what']}.", "",
+             f"Hardware: {res['hardware']['cpu']} ({res['hardware']['cpu_cores']} cores, shared), torch "
+             f"{res['hardware']['torch']}. Level `{res['level']}`; seeds {p['seeds']}; {p['steps_per_arm']} "
+             f"optimizer steps per arm after {p['warmup_sft_steps']} warm-up SFT steps; {p['tasks_per_step']} tasks x "
+             f"{p['group_size']} samples per RL step (S: as many gold trajectories per step); lr {p['lr']} constant "
+             f"(min_lr_ratio {p['min_lr_ratio']}); n = {p['n_eval']} held-out tasks per success metric, "
+             f"{p['n_tf']} for the teacher-forced log-prob, {p['n_rehearsal']} for the rehearsal split; "
+             f"categories {p['categories']}.", "",
+             "## Arms (mean ± sample std over seeds; rates in %, log-probs in nats per answer)", "",
+             "| arm | seeds | " + " | ".join(res["metrics"].values()) + " | rel. weight change |",
+             "|---|---:|" + "---:|" * (len(res["metrics"]) + 1)]
+    w = res["warmup"]["metrics"]
+    kinds = {k: ("nats" if k.startswith("tf_") else "rate") for k in res["metrics"]}
+    lines.append("| warm-up (start) | 1 | " + " | ".join(
+        "missing" if w.get(k) is None else (f"{100 * w[k]:.1f}" if kinds[k] == "rate" else f"{w[k]:.2f}")
+        for k in res["metrics"]) + " | 0 |")
+    for arm, r in res["arms"].items():
+        wc = r["summary"]["weight_change"]["mean"]
+        wc = "missing" if wc is None else f"{wc:.2e}"
+        lines.append(f"| {arm}: {r['name']} | {r['summary']['answer_seen']['n_seeds']} | "
+                     + " | ".join(_cell(r["summary"][k], kinds[k]) for k in res["metrics"]) + f" | {wc} |")
+    head = ["| contrast | metric | difference | Welch 95% CI (seeds) | bootstrap 95% CI (seeds x items) | MDE (80% power) |",
+            "|---|---|---:|---|---|---:|"]
+
+    def rows(cs):
+        return [f"| {c['a']} - {c['b']} | {res['metrics'][c['metric']]} | {_ci(c, kinds[c['metric']])} |" for c in cs]
+    lines += ["", "## Primary contrasts (percentage points on real-environment answer success)", "", *head,
+              *rows(res["contrasts"]["primary"]), "", "## Secondary contrasts", "", *head,
+              *rows(res["contrasts"]["secondary"]), "", "## Every pair of arms, answer-checked (seen families)", "",
+              *head, *rows(res["contrasts"]["answer_seen_all_pairs"])]
+    js = res.get("consistent_arm_signal")
+    if js:
+        lines += ["", f"Consistent arm (Ca) training signal: mean rollout reward {100 * js['mean_reward']:.1f}% "
+                      f"(strictly inside 5-95%: {js['in_open_interval']}); {js['steps_with_nonzero_advantage_groups']} "
+                      f"of {js['rl_steps']} RL steps had groups with non-zero advantage."]
+    sig = [(arm, seed, s["signal"]) for arm, r in res["arms"].items() for seed, s in r["seeds"].items()
+           if s["signal"]["rl_steps"]]
+    if sig:
+        f = lambda x: "-" if x is None else f"{100 * x:.1f}"  # noqa: E731
+        lines += ["", "## Training signal (each RL run's metrics.jsonl)", "",
+                  "reward = the trained reward; real = the engine's real-world score of the same episodes; "
+                  "zero-signal = share of groups whose ACT advantages are all 0.", "",
+                  "| arm | seed | RL steps | reward % | real reward % | world reward % | zero-signal groups % | "
+                  "steps with signal | rollout fidelity % |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {arm} | {seed} | {g['rl_steps']} | {f(g['mean_reward'])} | {f(g['mean_reward_real'])} | "
+                  f"{f(g['mean_world_reward'])} | {f(g['zero_signal_share'])} | {g['steps_with_signal']} | "
+                  f"{f(g['mean_rollout_fidelity'])} |" for arm, seed, g in sig]
+    lines += ["", "## Per seed (answer-checked seen / held-out call / held-out answer / rehearsal hidden, %)", ""]
+    for arm, r in res["arms"].items():
+        cells = []
+        for seed, s in r["seeds"].items():
+            m = s["metrics"]
+            cells.append(f"s{seed}: " + " / ".join("-" if m.get(k) is None else f"{100 * m[k]:.1f}"
+                                                   for k in ("answer_seen", "call_heldout", "answer_heldout", "reh_hidden")))
+        lines.append(f"- {arm}: " + "; ".join(cells))
+    if res["missing"] or res["failures"]:
+        lines += ["", "## Missing / failed (never counted as scores)", ""]
+        lines += [f"- {m}" for m in res["missing"]] + [f"- rc {f['rc']}: `{f['command']}` (log {f['log']})"
+                                                        for f in res["failures"]]
+    lines += ["", "Per-item results: the JSON's `warmup.items` and `arms.<arm>.seeds.<seed>.items` ({metric: "
+                  "{item id: value}}).", "", "## Commands", "", "```", res["warmup"]["train_command"],
+              *res["warmup"]["eval_commands"]]
+    for r in res["arms"].values():
+        for s in r["seeds"].values():
+            lines += [s["train_command"], *s["eval_commands"]]
+    lines += ["```", ""]
+    path.write_text("\n".join(lines))
+
+
+def write_png(res: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(res["arms"])
+    fig, axes = plt.subplots(2, 2, figsize=(16, 10))
+    keys = ["answer_seen", "call_seen", "answer_heldout", "call_heldout", "answer_drift", "reh_schema", "reh_hidden"]
+    ax = axes[0][0]
+    width = 0.8 / max(len(arms) + 1, 1)
+    for i, arm in enumerate(["warm-up", *arms]):
+        if arm == "warm-up":
+            vals = [[res["warmup"]["metrics"].get(k)] for k in keys]
+        else:
+            vals = [[s["metrics"].get(k) for s in res["arms"][arm]["seeds"].values()] for k in keys]
+        xs = [j + i * width for j in range(len(keys))]
+        means = [100 * sum(v for v in vs if v is not None) / max(1, sum(v is not None for v in vs)) for vs in vals]
+        ax.bar(xs, means, width, label=arm, alpha=0.8)
+        for x, vs in zip(xs, vals):
+            pts = [100 * v for v in vs if v is not None]
+            ax.scatter([x] * len(pts), pts, color="k", s=7, zorder=3)
+    ax.set_xticks([j + 0.4 for j in range(len(keys))])
+    ax.set_xticklabels(["answer\nseen", "call\nseen", "answer\nheld-out", "call\nheld-out", "answer\ndrift",
+                        "rehearsal\nschema", "rehearsal\nhidden"], fontsize=8)
+    ax.set_ylabel("% (bars: mean over seeds; dots: seeds)")
+    ax.set_title(f"held-out eval, n={res['plan']['n_eval']} per success metric")
+    ax.legend(fontsize=7)
+    ax = axes[0][1]
+    cs = [c for c in res["contrasts"]["primary"] + res["contrasts"]["secondary"]
+          if not c.get("missing") and not c["metric"].startswith("tf_")]
+    for y, c in enumerate(cs):
+        w, b = c["welch"], c["bootstrap"]
+        if w["lo"] is not None:
+            ax.plot([100 * w["lo"], 100 * w["hi"]], [y + 0.12] * 2, color="C0", lw=2)
+        if b:
+            ax.plot([100 * b["lo"], 100 * b["hi"]], [y - 0.12] * 2, color="C1", lw=2)
+        ax.plot([100 * w["diff"]], [y], "ko", ms=4)
+    ax.axvline(0, color="grey", lw=0.8)
+    ax.set_yticks(range(len(cs)))
+    ax.set_yticklabels([f"{c['a']}-{c['b']} {c['metric']}" for c in cs], fontsize=7)
+    ax.set_xlabel("difference, percentage points (blue: Welch 95% CI over seeds; orange: bootstrap)")
+    ax.set_title("contrasts")
+    for ax, key, title in ((axes[1][0], "reward", "trained reward per RL step (mean over seeds)"),
+                           (axes[1][1], "reward_real", "real-world reward of the same rollouts")):
+        for arm in arms:
+            per_step: dict[int, list] = {}
+            for s in res["arms"][arm]["seeds"].values():
+                c = s["curves"]
+                for st, stage, v in zip(c.get("step", []), c.get("stage", []), c.get(key, [])):
+                    if stage == "rl" and v is not None:
+                        per_step.setdefault(st, []).append(v)
+            if per_step:
+                xs = sorted(per_step)
+                ax.plot(xs, [sum(per_step[x]) / len(per_step[x]) for x in xs], marker=".", label=arm)
+        ax.set_xlabel("optimizer step")
+        ax.set_title(title)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    fig.suptitle(("TINY random model (pipeline check) -- " if res["tiny"] else "")
+                 + f"learning v2, {res['hardware']['cpu']}, {res['plan']['steps_per_arm']} steps per arm")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_outputs(res: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.json").write_text(json.dumps(res, indent=1, default=float))
+    write_md(res, Path(f"{out}.md"))
+    write_png(res, Path(f"{out}.png"))
+    print(f"wrote {out}.json / .md / .png")
