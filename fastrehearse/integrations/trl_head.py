@@ -127,7 +127,7 @@ def _unit_roundoff(t: torch.Tensor) -> float:
     return torch.finfo(t.dtype).eps / 2
 
 
-def _gemm_roundoffs(z: torch.Tensor, weight: torch.Tensor) -> tuple[float, float]:
+def _gemm_roundoffs(z: torch.Tensor) -> tuple[float, float]:
     """(u_in, u_acc) of the GEMM that produced z: operands rounded to z's dtype (autocast casts
     both), accumulated in fp32 for half types unless the backend allows reduced-precision sums."""
     u = _unit_roundoff(z)
@@ -141,7 +141,6 @@ def _gemm_roundoffs(z: torch.Tensor, weight: torch.Tensor) -> tuple[float, float
             u_acc = u
     elif z.dtype == torch.float32 and z.is_cuda and torch.backends.cuda.matmul.allow_tf32:
         u_in = 2.0**-11                 # TF32 operands: 10 mantissa bits
-    del weight
     return u_in, u_acc
 
 
@@ -182,9 +181,9 @@ def verify_head(model, tr: HeadTransform, forward=None, seq_len: int = 8) -> Non
             hk.remove()
     name = type(model).__name__
     if "h" not in seen or "z" not in seen:
-        raise UnsupportedModelError(
-            f"{name}: its forward does not run {'its backbone (base_model)' if 'h' not in seen else 'its LM head'}"
-            "; fastrehearse cannot score this model")
+        part = "its backbone (base_model)" if "h" not in seen else "its LM head"
+        raise UnsupportedModelError(f"{name}: its forward does not run {part}; fastrehearse "
+                                    "cannot score this model")
     h, x, z = seen["h"].double(), seen["x"], seen["z"]
     if logits.shape != z.shape or h.shape != x.shape:
         raise UnsupportedModelError(
@@ -196,12 +195,12 @@ def verify_head(model, tr: HeadTransform, forward=None, seq_len: int = 8) -> Non
     _check(name, "its LM head's input is not its backbone's last hidden state",
            x.double(), want_x, (2 * _unit_roundoff(x) if pre != 1.0 else 0.0) * want_x.abs())
     # 2. the head is a GEMM (+ bias) in z's precision
-    w = head.weight.double()
-    b = None if head.bias is None else head.bias.double()
+    w = full_tensor(head.weight).double()
+    b = None if head.bias is None else full_tensor(head.bias).double()
     x64 = x.double()
     ref_z = x64 @ w.t() + (0.0 if b is None else b)
     mag = x64.abs() @ w.abs().t() + (0.0 if b is None else b.abs())
-    u_in, u_acc = _gemm_roundoffs(z, head.weight)
+    u_in, u_acc = _gemm_roundoffs(z)
     k = x.shape[-1]
     gamma = k * u_acc / (1 - k * u_acc)
     _check(name, "its LM head is not h W^T + b", z.double(), ref_z,
