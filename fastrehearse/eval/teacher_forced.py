@@ -191,7 +191,8 @@ def rehearsal_fidelity(model, tokenizer, suite: Suite, tasks: Sequence[Task], *,
         finally:
             env.close()
         made = [ex for ex in exchanges_of(traj.messages) if ex.rehearsed]
-        row = {"id": task.id, "calls": len(calls), "rehearsed": len(made), "error": ep.metadata.get("error")}
+        row = {"id": task.id, "calls": len(calls), "rehearsed": len(made), "error": ep.metadata.get("error"),
+               "text": [(ex.content or "")[:300] for ex in made], "real": [r[:300] for r in real]}
         parts = []
         for c, r, ex in zip(calls, real, made + [None] * (len(calls) - len(made))):
             parts.append(fidelity_split(c.arguments, ex.content if ex else None, r, suite.response_spec(c.name)))
