@@ -11,6 +11,10 @@ settings.register_profile("ci", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# A tensor on the wrong device reaching a collective fails the tests instead of being moved (and
+# warned about) as in a user's run; inherited by the torchrun workers the tests start.
+os.environ.setdefault("FASTREHEARSE_STRICT_COLLECTIVES", "1")
+
 # No GPU on CPU CI: run Triton kernels through the interpreter. Must be set before triton is
 # imported anywhere (triton reads it at kernel launch/JIT time).
 if not torch.cuda.is_available():

@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from fastrehearse.algo import AdvantageConfig, compute_advantages
 
@@ -38,7 +37,7 @@ from .metrics import final_table
 from .parallelize import (
     DistInfo,
     all_gather_object,
-    all_reduce_sum,
+    any_rank,
     destroy_distributed,
     init_distributed,
 )
@@ -68,11 +67,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
     refused (ConfigError) before anything is written."""
     info = init_distributed(cfg.device)
     previous = signal.getsignal(signal.SIGTERM)
+    ok = False
     try:
-        return _train(cfg, info, resume, overwrite)
+        summary = _train(cfg, info, resume, overwrite)
+        ok = True
+        return summary
     finally:
         _restore_sigterm(previous)
-        destroy_distributed()
+        destroy_distributed(sync=ok)
 
 
 def _train(cfg: TrainConfig, info: DistInfo, resume: bool, overwrite: bool) -> dict:
@@ -230,8 +232,7 @@ def _restore_sigterm(previous) -> None:
 
 def _agree_to_stop(run: Run) -> bool:
     """All ranks stop together when any of them got SIGTERM."""
-    flag = torch.tensor([1.0 if run.stop_requested else 0.0], dtype=torch.float64)
-    return bool(all_reduce_sum(flag, run.info).item() > 0)
+    return any_rank(run.stop_requested, run.info)
 
 
 def _summary(run: Run, after: dict, wall_s: float, export_dir) -> dict:

@@ -7,10 +7,23 @@ FSDP2 default (average over ranks) would divide by the world size a second time,
 emulated and has been seen to sum instead (pytorch issue 162338); a custom divide factor becomes
 PREMUL_SUM, which gloo lacks. Hence `set_gradient_divide_factor(1.0)` plus
 `set_force_sum_reduction_for_comms(True)`: SUM, no scaling, on NCCL and gloo alike.
+
+Collectives live here and only here. They run whenever a process group exists -- also a 1-rank group
+(one GPU, or `torchrun --nproc_per_node=1`) -- so a single-GPU machine exercises every collective a
+node runs. Tensor collectives take tensors on the compute device (`info.device`): NCCL rejects host
+tensors. On CUDA the group is `cuda:nccl,cpu:gloo` (torchtitan's choice), so the object collectives
+(pickled, small) and DCP's host-side coordination run on gloo while tensors go through NCCL.
+`sum_over_ranks` is the one way host numbers (token counts, loss sums, flags) are summed: it puts them
+on the compute device itself. With FASTREHEARSE_STRICT_COLLECTIVES=1 (the test suite sets it) a tensor
+on another device is refused instead of moved, so a misplaced tensor fails the tests
+(tests/test_train_collectives.py drives a full step under a CUDA-placement simulator).
 """
 from __future__ import annotations
 
 import os
+import sys
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -33,12 +46,13 @@ class DistInfo:
 
     @property
     def distributed(self) -> bool:
+        """More than one rank (the data is split); collectives run whenever `sharded`."""
         return self.world_size > 1
 
     @property
     def sharded(self) -> bool:
-        """FSDP2 is applied whenever a process group exists (also a single GPU: it is what gives
-        bf16 compute with fp32 master weights)."""
+        """A process group exists: FSDP2 is applied and every collective runs (also 1 rank: one
+        GPU gets bf16 compute with fp32 master weights, and runs the collectives of a node)."""
         return self.backend is not None
 
 
@@ -50,24 +64,34 @@ def resolve_device(pref: str, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device_pref: str = "auto") -> DistInfo:
-    """Join the torchrun rendezvous when launched by torchrun (WORLD_SIZE > 1), else run alone.
+def _launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "GROUP_RANK" in os.environ
 
-    NCCL on CUDA, gloo on CPU. Multi-node works through torchrun's rendezvous (--nnodes,
-    --rdzv-endpoint); nothing here is node-aware beyond LOCAL_RANK picking the GPU.
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for tensors on CUDA plus gloo for host-side work (object collectives, DCP); gloo on CPU."""
+    return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(device_pref: str = "auto") -> DistInfo:
+    """Join the torchrun rendezvous when launched by torchrun (any world size, 1 included), else run
+    alone: a plain process on the CPU, a 1-rank group on one GPU (FSDP2 mixed precision applies).
+
+    Multi-node works through torchrun's rendezvous (--nnodes, --rdzv-endpoint); nothing here is
+    node-aware beyond LOCAL_RANK picking the GPU.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(device_pref, local_rank)
-    if world <= 1 and device.type != "cuda":
+    if world <= 1 and device.type != "cuda" and not _launched_by_torchrun():
         return DistInfo(0, 1, 0, device, None)
-    if world <= 1:   # one GPU without torchrun: a 1-rank NCCL group so FSDP2 mixed precision applies
+    if world <= 1:   # one GPU without torchrun: a 1-rank group of the same kind a node uses
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = backend_for(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
@@ -84,8 +108,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def destroy_distributed() -> None:
+def destroy_distributed(sync: bool = True) -> None:
+    """Leave the group. `sync`: all ranks first meet at a barrier -- a rank that tears gloo down
+    while a peer is still inside a collective has been seen to abort ("terminate called without an
+    active exception"). Pass sync=False on an error path, where a peer may never arrive."""
     if dist.is_available() and dist.is_initialized():
+        if sync:
+            dist.barrier()
         dist.destroy_process_group()
 
 
@@ -156,20 +185,67 @@ def parallelize(model: nn.Module, info: DistInfo, *, precision: str = "auto",
     return model
 
 
-# ---- small collective helpers (no-ops when running alone) -------------------------------------
+# ---- collectives: the only calls into torch.distributed's collectives ---------------------------
+
+class CollectiveDeviceError(RuntimeError):
+    """A tensor reached a collective on a device other than the compute device (strict mode)."""
+
+
+def strict_collectives() -> bool:
+    return os.environ.get("FASTREHEARSE_STRICT_COLLECTIVES", "") not in ("", "0")
+
+
+_warned_moves: set = set()
+
+
+def _device_of(t: torch.Tensor) -> torch.device:
+    """Where `t` lives (tests replace this with a probe that simulates a CUDA run on the CPU)."""
+    return t.device
+
+
+def _on_compute_device(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """`t` itself when it is on info.device; else refused (strict mode) or moved with a warning
+    naming the caller (a host tensor would make NCCL fail on the first multi-GPU step)."""
+    dev = _device_of(t)
+    if dev == info.device:
+        return t
+    caller = sys._getframe(2)
+    where = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno} ({caller.f_code.co_name})"
+    msg = (f"a collective got a tensor on {dev} from {where}; the compute device is "
+           f"{info.device} (NCCL rejects host tensors): build it there or use sum_over_ranks")
+    if strict_collectives():
+        raise CollectiveDeviceError(msg)
+    if where not in _warned_moves:
+        _warned_moves.add(where)
+        warnings.warn(msg + "; moved it", stacklevel=3)
+    return t.to(info.device)
+
 
 def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    """Sum over ranks (in place on a copy). Float64 stays exact for token counts; gloo handles it,
-    NCCL too."""
-    if not info.distributed:
+    """Sum of `t` (on info.device) over ranks, as a new tensor; runs whenever a group exists."""
+    if not info.sharded:
         return t
-    out = t.clone()
+    out = _on_compute_device(t, info).clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
     return out
 
 
+def sum_over_ranks(values, info: DistInfo) -> torch.Tensor:
+    """Host numbers (a list of floats or a CPU tensor) summed over ranks in float64 (exact for token
+    counts); returns a CPU float64 tensor of the same shape. The values travel on the compute device."""
+    host = torch.as_tensor(values, dtype=torch.float64)
+    if not info.sharded:
+        return host.clone()
+    return all_reduce_sum(host.to(info.device), info).cpu()
+
+
+def any_rank(flag: bool, info: DistInfo) -> bool:
+    """True on every rank when `flag` is true on any rank."""
+    return bool(sum_over_ranks([1.0 if flag else 0.0], info).item() > 0)
+
+
 def all_gather_object(obj, info: DistInfo) -> list:
-    if not info.distributed:
+    if not info.sharded:
         return [obj]
     out = [None] * info.world_size
     dist.all_gather_object(out, obj)
@@ -177,13 +253,23 @@ def all_gather_object(obj, info: DistInfo) -> list:
 
 
 def barrier(info: DistInfo) -> None:
-    if info.distributed:
+    if info.sharded:
         dist.barrier()
 
 
 def broadcast_object(obj, info: DistInfo, src: int = 0):
-    if not info.distributed:
+    if not info.sharded:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def iter_full_params(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of every parameter and buffer of `module`, one at a time: a sharded
+    (DTensor) parameter is all-gathered alone, so the peak is one whole tensor, never the whole
+    model (collective: every rank must iterate to the end). Names are as in `module`, with the
+    activation-checkpointing wrapper's segment removed."""
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        yield name.replace("_checkpoint_wrapped_module.", ""), full.detach()

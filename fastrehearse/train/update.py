@@ -21,7 +21,7 @@ from .checkpoint import Checkpointer
 from .config import TrainConfig
 from .errors import TrainingError
 from .heads import rl_head, sft_head
-from .parallelize import DistInfo, all_gather_object, all_reduce_sum
+from .parallelize import DistInfo, all_gather_object, any_rank, sum_over_ranks
 
 
 def policy_update(run: Run, episodes: list[Episode], *, stage: str) -> dict:
@@ -30,9 +30,8 @@ def policy_update(run: Run, episodes: list[Episode], *, stage: str) -> dict:
     cfg, info = run.cfg, run.info
     packed = pack(episodes, cfg.max_tokens, num_ranks=info.world_size, overlong="truncate_right")
     batches = [b.to(info.device) for b in (packed[info.rank] if info.distributed else packed)]
-    counts = all_reduce_sum(local_counts(batches), info)            # [2, NUM_ROLES] global
-    n_tokens = int(all_reduce_sum(torch.tensor([float(sum(b.num_tokens for b in batches))],
-                                                dtype=torch.float64), info).item())
+    counts = sum_over_ranks(local_counts(batches), info)            # [2, NUM_ROLES] global
+    n_tokens = int(sum_over_ranks([float(sum(b.num_tokens for b in batches))], info).item())
     weights = None
     if stage == "rl" and cfg.algo.aggregation != "token-mean":
         weights = token_weights(batches, cfg.algo.aggregation, counts,
@@ -42,7 +41,7 @@ def policy_update(run: Run, episodes: list[Episode], *, stage: str) -> dict:
         bad = sum(int((~torch.isfinite(b.old_logp)).sum()) for b in batches)
         if run.ref is not None:
             bad += sum(int((~torch.isfinite(b.ref_logp)).sum()) for b in batches)
-        if all_reduce_sum(torch.tensor([float(bad)], dtype=torch.float64), info).item() > 0:
+        if any_rank(bad > 0, info):
             return skip_step(run, {"train_tokens": n_tokens}, reason=f"{bad} non-finite old/reference log-probs")
 
     out = {}
@@ -61,7 +60,7 @@ def _one_update(run: Run, batches, counts, weights, stage: str) -> dict:
     cfg, info = run.cfg, run.info
     run.policy.train()
     run.optimizer.zero_grad(set_to_none=True)
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    loss_sum = 0.0
     stats = _LossStats()
     for i, b in enumerate(batches):
         if stage == "rl":
@@ -70,9 +69,9 @@ def _one_update(run: Run, batches, counts, weights, stage: str) -> dict:
             head = sft_head(cfg, b, counts[0])
         res = run.policy(b, head)
         res.loss.backward()
-        loss_sum += res.loss.detach().double().cpu()
+        loss_sum += float(res.loss.detach())
         stats.add(res)
-    loss = float(all_reduce_sum(loss_sum.reshape(1), info).item())
+    loss = float(sum_over_ranks([loss_sum], info).item())
     grad_norm = _clip_grad_norm(run.policy, cfg.optim.grad_clip)
     row = {"loss": loss, "grad_norm": grad_norm, **stats.summary(info)}
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -86,7 +85,7 @@ def _one_update(run: Run, batches, counts, weights, stage: str) -> dict:
         if "overflow" not in str(e):
             raise
         bad = 1
-    if all_reduce_sum(torch.tensor([float(bad)], dtype=torch.float64), info).item() > 0:
+    if any_rank(bad > 0, info):
         run.optimizer.zero_grad(set_to_none=True)
         if snap is None:
             raise TrainingError(f"step {run.state.step + 1}: the update left non-finite weights and "
@@ -214,7 +213,7 @@ class _LossStats:
         keys = sorted(set().union(*all_gather_object(sorted(self.sums), info)))
         if not keys:
             return {}
-        vals = all_reduce_sum(torch.tensor([self.sums.get(k, 0.0) for k in keys], dtype=torch.float64), info)
+        vals = sum_over_ranks([self.sums.get(k, 0.0) for k in keys], info)
         tot = dict(zip(keys, vals.tolist()))
         out = {}
         for k, v in tot.items():
