@@ -116,3 +116,11 @@ def test_kernel_backend(monkeypatch):
     cfg = load_config(None, ["model.kernel_backend=triton-fused", "device=cpu"])
     allowed, forbidden = resume_changes(to_dict(TrainConfig()), to_dict(cfg))
     assert [k for k, *_ in allowed] == ["device", "model.kernel_backend"] and not forbidden
+
+
+def test_task_reward_the_suite_cannot_compute_is_refused_before_loading():
+    from fastrehearse.train.config import preflight
+    preflight(load_config("configs/smoke.yaml", ["env.reward=consistent"]))     # builtin has it
+    cfg = load_config("configs/qwen3_8b_tau2_telecom.yaml", ["env.reward=consistent", "model.spec=tiny-llama"])
+    with pytest.raises(ConfigError, match=r"'env.reward'.*consistent.*suite 'tau2' has only \['real'\]"):
+        preflight(cfg)

@@ -58,10 +58,30 @@ def test_rollout_failures_are_counted_not_fatal(run, monkeypatch):
             raise RuntimeError("simulated engine crash")
         return real(self, tasks, envs, **kw)
     monkeypatch.setattr(eng.RolloutEngine, "rollout", flaky)
-    eps, _, failures = rollout(run, run.train_tasks[:3], mode="rehearse", temperature=1.0, seed=0,
-                                    group_size=2, measure_fidelity=False)
+    eps, metrics, failures = rollout(run, run.train_tasks[:3], mode="rehearse", temperature=1.0, seed=0,
+                                     group_size=2, measure_fidelity=False)
     assert failures == 1 and len(eps) == 4
     assert {e.task_id for e in eps} == {run.train_tasks[0].id, run.train_tasks[2].id}
+    # the metrics of the task-by-task retry add up over the tasks that ran (not the last one's)
+    assert metrics["episodes"] == 4
+    assert metrics["decode_tokens"] == sum(sum(1 for r in e.roles if r in (1, 2)) for e in eps)
+    assert "tokens_per_s" not in metrics          # a rate of one call is not the retry's rate
+
+
+def test_episode_that_could_not_be_scored_is_not_trained_on(run, monkeypatch):
+    """An episode whose env crashed or whose score failed has reward 0 and metadata["error"]: a
+    failure, counted and dropped, never a training reward of 0."""
+    from fastrehearse.rollout import engine as eng
+    real = eng.RolloutEngine.rollout
+
+    def scoring_crash(self, tasks, envs, **kw):
+        res = real(self, tasks, envs, **kw)
+        res.episodes[0].metadata["error"] = "score: RuntimeError: evaluator crashed"
+        return res
+    monkeypatch.setattr(eng.RolloutEngine, "rollout", scoring_crash)
+    eps, _, failures = rollout(run, run.train_tasks[:2], mode="rehearse", temperature=1.0, seed=0,
+                               group_size=2, measure_fidelity=False)
+    assert failures == 1 and len(eps) == 3 and not any(e.metadata.get("error") for e in eps)
 
 
 def test_lr_schedule_and_task_stream():

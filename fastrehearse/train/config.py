@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from fastrehearse.algo.rewards import WorldRewardConfig
+from fastrehearse.algo.rewards import WorldRewardConfig, check_task_reward
 from fastrehearse.kernels import PolicyLossConfig
 from fastrehearse.model.loader import TinyModelOptions
 from fastrehearse.rollout.engine import RolloutConfig as EngineRolloutConfig
@@ -465,6 +465,10 @@ def check_env(cfg: TrainConfig) -> None:
         cls = suite_class(cfg.env.suite)
     except ImportError as e:
         raise ConfigError(f"config key 'env.suite': {e}") from None
+    try:
+        check_task_reward(cls, cfg.env.reward)
+    except ValueError as e:
+        raise ConfigError(f"config key 'env.reward': {e}") from None
     params = inspect.signature(cls.__init__).parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return

@@ -174,13 +174,10 @@ def rl_step(run: Run) -> dict:
     adv = compute_advantages(episodes, AdvantageConfig(std_normalize=a.std_normalize,
                                                        leave_one_out=a.leave_one_out,
                                                        turn_reward_coef=a.turn_reward_coef))
-    # The algo counts equal-reward groups of 2+; a group of one (group_size 1, or a task whose other
-    # samples failed) has no baseline either, so it carries no signal too.
-    sizes = {}
-    for e in episodes:
-        sizes[e.task_id] = sizes.get(e.task_id, 0) + 1
-    singles = sum(1 for n in sizes.values() if n == 1) / max(len(sizes), 1)
-    row["zero_signal_groups"] = adv.zero_std_frac.get("ACT", 0.0) + singles
+    # Groups (or hybrid strata) whose ACT advantages are all 0 -- equal rewards, or one episode --
+    # carry no signal; the same for the world model's REHEARSE.
+    row["zero_signal_groups"] = adv.zero_signal_frac.get("ACT", 0.0)
+    row["zero_signal_groups_rehearse"] = adv.zero_signal_frac.get("REHEARSE", 0.0)
     # 4-6. pack, old/ref log-probs, update
     row.update(policy_update(run, episodes, stage="rl"))
     sync_generation_weights(run)

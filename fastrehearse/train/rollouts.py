@@ -24,8 +24,10 @@ from .parallelize import all_gather_object
 
 def rollout(run: Run, tasks, *, mode: str, temperature: float, seed: int, group_size: int,
             measure_fidelity: bool) -> tuple[list[Episode], dict, int]:
-    """Episodes for `tasks` on this rank. An engine exception on the batch is retried task by task;
-    tasks that still fail are counted (not fatal)."""
+    """Episodes for `tasks` on this rank, with the count of failures. An engine exception on the
+    batch is retried task by task; a task that still fails, and an episode that could not run or be
+    scored to its end (metadata "error": its reward is not a result), are failures: logged, counted,
+    never trained on."""
     if not tasks:
         return [], {}, 0
     ecfg = run.cfg.rollout.engine(mode=mode, measure_fidelity=measure_fidelity, temperature=temperature)
@@ -38,8 +40,9 @@ def rollout(run: Run, tasks, *, mode: str, temperature: float, seed: int, group_
                          f"retrying one task at a time")
     else:
         _rewards(run, res, tasks, mode)    # outside the retry: a reward bug is not an engine failure
-        return res.episodes, res.metrics, 0
-    episodes, metrics, failures = [], {}, 0
+        episodes, errors = _without_errors(run, res.episodes)
+        return episodes, res.metrics, errors
+    episodes, parts, failures = [], [], 0
     for i, t in enumerate(tasks):
         try:
             res = engine.rollout([t], run.suite, group_size=group_size, seed=seed * 1000 + i)
@@ -48,9 +51,38 @@ def rollout(run: Run, tasks, *, mode: str, temperature: float, seed: int, group_
             run.logger.write(f"rollout failed for task {t.id}: {type(e).__name__}: {e}")
             continue
         _rewards(run, res, [t], mode)
-        episodes += res.episodes
-        metrics = res.metrics
-    return episodes, metrics, failures
+        kept, errors = _without_errors(run, res.episodes)
+        episodes += kept
+        failures += errors
+        parts.append(res.metrics)
+    return episodes, merge_metrics(parts), failures
+
+
+def _without_errors(run: Run, episodes: list[Episode]) -> tuple[list[Episode], int]:
+    bad = [e for e in episodes if e.metadata.get("error")]
+    for e in bad:
+        run.logger.write(f"episode of task {e.task_id} not trained on (could not run or be scored: "
+                         f"{e.metadata['error']})")
+    return [e for e in episodes if not e.metadata.get("error")], len(bad)
+
+
+def merge_metrics(parts: list[dict]) -> dict:
+    """The rollout metrics of several engine calls as one: counts (ints, and dicts of counts) and
+    wall_s are summed; rates and means, which do not add, are left out rather than reported for
+    one call only."""
+    out: dict = {}
+    for m in parts:
+        for k, v in m.items():
+            if isinstance(v, bool):
+                continue
+            if isinstance(v, int) or k == "wall_s":
+                out[k] = out.get(k, 0) + v
+            elif isinstance(v, dict) and all(isinstance(x, int) and not isinstance(x, bool)
+                                             for x in v.values()):
+                d = out.setdefault(k, {})
+                for kk, x in v.items():
+                    d[kk] = d.get(kk, 0) + x
+    return out
 
 
 def _rewards(run: Run, res, tasks, mode: str) -> None:
