@@ -4,8 +4,9 @@ hidden_states() calls the *base* model (e.g. LlamaModel, after its final norm), 
 head: the [T, V] logits are the one object an RL step cannot afford, so the LM-head projection is
 left to the fused kernels (fastrehearse.kernels.linear_logprobs / linear_policy_loss), which read
 the head weight from lm_head_weight() and, for a head that is more than a weight (Gemma 2/3's
-final soft-cap, Cohere's / Granite's logit scale, an lm_head bias), head_kwargs(). A head the
-kernels cannot reproduce is refused (check_lm_head), never scored wrong.
+final soft-cap, Cohere's / Granite's logit scale, an lm_head bias), head_kwargs(), read from the
+one head spec (fastrehearse.model.lm_head, which the TRL adapter reads too). A head the kernels
+cannot reproduce is refused (check_lm_head), never scored wrong.
 """
 from __future__ import annotations
 
