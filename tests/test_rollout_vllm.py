@@ -1,0 +1,178 @@
+"""The vLLM rollout backend (fastrehearse/rollout/vllm_backend.py) on the real vllm(-cpu) package:
+one vLLM instance for the whole module (its start-up dominates: ~40-60 s on 2 CPU cores with
+enforce_eager), a tiny random Llama in fp32.
+
+  * the segment protocol: a stop string ends a segment at exactly the token HF's greedy decode
+    completes it with, reported as the stop; max_tokens cuts; log-probs of the sampled tokens;
+  * greedy episodes through the engine equal the HF backend's, token for token (forced turns,
+    rehearsed responses, real responses, prefix caching across segments);
+  * weight sync: after an optimizer step, vLLM's log-probs of a fixed sequence equal the trainer's
+    compute_logprobs of the updated model and differ from the pre-update ones;
+  * bad input: vLLM missing -> one line naming the package; a KV cache too small for
+    max_episode_tokens -> refused before start-up, naming VLLM_CPU_KVCACHE_SPACE.
+"""
+import copy
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from fastrehearse.data import Episode
+from fastrehearse.kernels.roles import Role
+from fastrehearse.model import RehearsalModel, load_model, use_varlen_attention
+from fastrehearse.model.loader import TinyModelOptions
+from fastrehearse.packing import build_packed_batch
+from fastrehearse.rollout.engine import RolloutConfig, RolloutEngine, VLLMOptions
+from fastrehearse.rollout.policy import ScriptedPolicy
+from fastrehearse.rollout.segments import Sampling, SegmentRequest
+from fastrehearse.rollout.template import ChatTemplate, format_tool_call
+from fastrehearse.rollout.testing import CalcEnv, calc_tasks
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")]
+
+# Tolerance of log-probs between backends and against the trainer, fp32, this tiny Llama: measured
+# max |diff| 8.6e-6 (vLLM vs HF engine, 144 greedy tokens), 9.8e-6 (HF KV-cache decode vs one plain
+# forward), 8.6e-6 (vLLM vs plain forward): different attention kernels and reduction orders. 1e-4
+# leaves a 10x margin for other CPUs; the optimizer step in the sync test moves them by > 1e-2.
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    # head_dim 64 (vLLM-CPU attention has no kernel for 16); weights of std 0.2: a greedy decode that
+    # varies (at std 0.02 it repeats one token), with top-2 logit gaps far above the backends' fp
+    # differences (measured below 1e-5), so no greedy choice flips
+    model, tok = load_model("tiny-llama", options=TinyModelOptions(hidden_size=128, num_heads=2, num_kv_heads=1,
+                                                                  initializer_range=0.2))
+    return model, tok, ChatTemplate(tok)
+
+
+@pytest.fixture(scope="module")
+def vllm_backend(tiny):
+    from fastrehearse.rollout.vllm_backend import VLLMBackend
+    model, tok, _ = tiny
+    served = copy.deepcopy(model)     # the weight-sync test updates it
+    b = VLLMBackend(served, tok, max_episode_tokens=1024, options=VLLMOptions(kv_cache_gib=1, enforce_eager=True))
+    yield b
+    b.close()
+
+
+def _hf_greedy(model, prompt, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_segment_stops_at_the_stop_string_and_at_max_tokens(tiny, vllm_backend):
+    from collections import Counter
+    model, tok, tmpl = tiny
+    prompt = tmpl.render_prompt([{"role": "user", "content": "Add 2 and 3."}]).input_ids
+    ref = _hf_greedy(model, prompt, 12)
+    # a stop string completed by the 6th greedy token (and by none before it)
+    k = next(i for i in range(5, 12) if tok.decode(ref[i:i + 1]).strip()
+             and tok.decode(ref[i:i + 1]) not in tok.decode(ref[:i]))
+    marker = tok.decode(ref[k:k + 1])
+    stats = Counter()
+    s = vllm_backend.session(Sampling(temperature=0.0), stats)
+    s.add([SegmentRequest(0, prompt, [0] * len(prompt), Role.ACT, 12, (marker,), frozenset()),
+           SegmentRequest(1, prompt, [0] * len(prompt), Role.ACT, 3, (), frozenset())])
+    got = {}
+    while len(got) < 2:
+        got.update(s.step())
+    s.close()
+    assert got[0].tokens == ref[:k + 1] and got[0].stop == marker
+    assert got[1].tokens == ref[:3] and got[1].stop is None
+    with torch.no_grad():    # greedy log-probs: log_softmax(logits) of each sampled token
+        logits = model(torch.tensor([prompt + ref[:k + 1]])).logits[0, len(prompt) - 1:-1].float()
+    want = torch.log_softmax(logits, -1).gather(1, torch.tensor(ref[:k + 1])[:, None])[:, 0]
+    assert max(abs(a - b) for a, b in zip(got[0].logprobs, want.tolist())) < LOGPROB_TOL
+    assert stats["decode_tokens"] == k + 1 + 3
+
+
+@pytest.mark.parametrize("mode", ["rehearse", "real"])
+def test_greedy_episodes_equal_the_hf_backend(tiny, vllm_backend, mode):
+    """The same episodes, token for token: forced agent turns with calls, model-written (rehearsed)
+    or executed (real) responses, text replies; several segments per episode on the prefix cache."""
+    model, tok, tmpl = tiny
+    call = format_tool_call("add", {"a": 2, "b": 3})
+    policy = ScriptedPolicy([call, None, call])     # turn 2: the model writes it (greedy)
+    cfg = RolloutConfig(mode=mode, temperature=0.0, max_new_tokens=12, max_turns=4, max_episode_tokens=1024)
+    hf = RolloutEngine(model, tok, cfg, template=tmpl).rollout(calc_tasks(3), CalcEnv, group_size=2, seed=1,
+                                                               policy=policy)
+    vl = RolloutEngine(model, tok, cfg, template=tmpl, backend=vllm_backend).rollout(
+        calc_tasks(3), CalcEnv, group_size=2, seed=1, policy=policy)
+    assert vl.metrics["backend"] == "vllm" and hf.metrics["backend"] == "hf"
+    sampled = 0
+    for a, b in zip(hf.episodes, vl.episodes):
+        assert a.input_ids == b.input_ids and a.roles == b.roles
+        assert a.metadata["stop_reason"] == b.metadata["stop_reason"]
+        for x, y in zip(a.rollout_logprobs, b.rollout_logprobs):
+            assert math.isnan(x) == math.isnan(y)
+            if not math.isnan(x):
+                assert abs(x - y) < LOGPROB_TOL
+                sampled += 1
+    assert sampled > 50
+    assert vl.metrics["prefill_reused_tokens"] > 0       # later segments hit the prefix cache
+
+
+def test_weight_sync_serves_the_updated_model(tiny, vllm_backend):
+    """After an optimizer step and sync_weights, vLLM's log-probs of a fixed token sequence equal
+    the trainer's compute_logprobs of the updated model, and differ from the pre-update ones."""
+    from fastrehearse.train.config import TrainConfig
+    from fastrehearse.train.update import compute_logprobs
+    _, tok, _ = tiny
+    model = vllm_backend.model_ref
+    saved = copy.deepcopy(model.state_dict())
+    ids = torch.randint(3, len(tok), (61,), generator=torch.Generator().manual_seed(0)).tolist()
+    batch = build_packed_batch([Episode(input_ids=ids, roles=[int(Role.ACT)] * len(ids), task_id="t")], [0])
+    keep = (batch.roles != 0)
+
+    def trainer_lp():
+        trained = copy.deepcopy(model)
+        use_varlen_attention(trained)
+        return compute_logprobs(RehearsalModel(trained), [batch], TrainConfig())[0][keep].double()
+
+    before = torch.tensor(vllm_backend.logprobs_of([ids])[0], dtype=torch.float64)
+    assert float((before - trainer_lp()).abs().max()) < LOGPROB_TOL
+    try:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        logits = model(torch.tensor([ids])).logits[0, :-1]
+        torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).backward()
+        opt.step()
+        secs = vllm_backend.sync_weights(model)
+        after = torch.tensor(vllm_backend.logprobs_of([ids])[0], dtype=torch.float64)
+        ref = trainer_lp()
+        assert float((after - ref).abs().max()) < LOGPROB_TOL
+        assert float((after - before).abs().max()) > 100 * LOGPROB_TOL
+        assert secs > 0
+    finally:
+        model.load_state_dict(saved)
+        vllm_backend.sync_weights(model)
+    restored = torch.tensor(vllm_backend.logprobs_of([ids])[0], dtype=torch.float64)
+    assert float((restored - before).abs().max()) < LOGPROB_TOL
+
+
+def test_vllm_missing_is_one_line_naming_the_package(tiny, monkeypatch):
+    from fastrehearse.rollout import vllm_backend as vb
+    model, tok, tmpl = tiny
+    real = importlib.util.find_spec
+    monkeypatch.setattr(vb.importlib.util, "find_spec", lambda n, *a: None if n == "vllm" else real(n, *a))
+    with pytest.raises(vb.VLLMUnavailable) as e:
+        RolloutEngine(model, tok, RolloutConfig(backend="vllm"), template=tmpl)
+    assert "vllm" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_kv_cache_too_small_is_refused_before_start(tiny):
+    from fastrehearse.rollout.vllm_backend import VLLMBackend, VLLMStartError, kv_bytes_per_token
+    model, tok, _ = tiny
+    too_many = (1 << 30) // kv_bytes_per_token(model) + 1
+    with pytest.raises(VLLMStartError) as e:
+        VLLMBackend(model, tok, max_episode_tokens=too_many, options=VLLMOptions(kv_cache_gib=1))
+    assert "VLLM_CPU_KVCACHE_SPACE" in str(e.value) and "kv_cache_gib" in str(e.value)
+    with pytest.raises(ValueError, match="kv_cache_gib"):
+        RolloutConfig(backend="vllm", vllm=VLLMOptions(kv_cache_gib=0)).validate()
+    with pytest.raises(ValueError, match="logits_processor"):
+        RolloutEngine(model, tok, RolloutConfig(backend="vllm"), logits_processor=lambda *a: a[-1])
