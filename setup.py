@@ -34,7 +34,7 @@ setup(
     packages=core + ["fastrehearse.kernels", "fastrehearse.configs"],
     package_dir={"fastrehearse": "fastrehearse", "fastrehearse.kernels": "kernels",
                  "fastrehearse.configs": "configs"},
-    package_data={"fastrehearse.configs": ["*.yaml"]},
+    package_data={"fastrehearse.configs": ["*.yaml", "models/*/config.json"]},
     install_requires=[
         "torch>=2.11",
         "triton>=3.6; sys_platform == 'linux'",

@@ -1,6 +1,7 @@
 """The `fastrehearse` command.
 
     fastrehearse train --config configs/demo.yaml [--set optim.lr=1e-5 ...] [--resume | --overwrite]
+    fastrehearse train --config configs/qwen3_8b_bfcl_multi_turn.yaml --dry-run --world-size 16
     fastrehearse eval  ...            (fastrehearse.eval.cli; see `fastrehearse eval --help`)
 
 `torchrun --nproc_per_node=N -m fastrehearse.train --config PATH` runs the same training code.
@@ -30,11 +31,59 @@ def train_parser(prog: str = "fastrehearse train") -> argparse.ArgumentParser:
                         "logging, checkpoint and eval settings may change; docs/training.md)")
     g.add_argument("--overwrite", action="store_true",
                    help="replace the run run_dir holds (its checkpoints, metrics, export, config)")
+    d = p.add_argument_group("dry run (no GPU, no weights, nothing written to run_dir)")
+    d.add_argument("--dry-run", action="store_true",
+                   help="build the run on torch's fake process group and print each rank's GPU memory")
+    d.add_argument("--world-size", type=int, metavar="N", help="ranks to plan for (with --dry-run)")
+    d.add_argument("--gpu-memory-gib", type=float, default=80.0, metavar="G",
+                   help="GPU memory per rank to fit in (default 80)")
+    d.add_argument("--dry-run-json", metavar="PATH", help="also write the plan as JSON")
+    d.add_argument("--arch", metavar="DIR_OR_CONFIG_JSON",
+                   help="architecture to plan when model.spec is not on this machine (default: the shipped "
+                        "configs/models/<name of model.spec's folder>)")
     return p
+
+
+def dry_run_main(args, prog: str) -> int:
+    """Exit 0: the plan fits; 2: it does not (one line naming the overflow) or a usage mistake."""
+    from fastrehearse.train.config import ConfigError, check_device, check_env, load_config
+    from fastrehearse.train.dry_run import plan, print_plan, write_json
+    if args.world_size is None:
+        print(f"{prog}: error: --dry-run needs --world-size N (the ranks to plan for)", file=sys.stderr)
+        return 2
+    if not args.gpu_memory_gib > 0:
+        print(f"{prog}: error: --gpu-memory-gib must be > 0, got {args.gpu_memory_gib}", file=sys.stderr)
+        return 2
+    if args.resume or args.overwrite:
+        print(f"{prog}: error: --dry-run touches no run_dir: drop --resume / --overwrite", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(args.config, args.overrides)
+        check_env(cfg)
+        check_device(cfg)
+        p = plan(cfg, args.world_size, args.gpu_memory_gib, args.arch, config_name=os.path.basename(args.config))
+    except ConfigError as e:   # DryRunError included
+        print(f"{prog}: config error: {e}", file=sys.stderr)
+        return 2
+    print_plan(p)
+    if args.dry_run_json:
+        write_json(p, args.dry_run_json)
+    if not p.fits:
+        print(f"{prog}: {p.overflow_line()}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def train_main(argv: list[str] | None = None, prog: str = "fastrehearse train") -> int:
     args = train_parser(prog).parse_args(argv)
+    if args.dry_run:
+        return dry_run_main(args, prog)
+    for flag, val in (("--world-size", args.world_size), ("--dry-run-json", args.dry_run_json),
+                      ("--arch", args.arch)):
+        if val is not None:
+            print(f"{prog}: error: {flag} only goes with --dry-run (a real run's world size is torchrun's "
+                  f"--nnodes x --nproc_per_node)", file=sys.stderr)
+            return 2
     from fastrehearse.train.config import ConfigError, load_config, preflight
     try:
         cfg = load_config(args.config, args.overrides)

@@ -71,7 +71,7 @@ def test_export_reloads_with_transformers_and_matches_trained_logprobs(ref_run):
     from fastrehearse.packing import pack
     from fastrehearse.train.checkpoint import Checkpointer
     from fastrehearse.train.config import load_config
-    from fastrehearse.train.build import load_policy_model
+    from fastrehearse.train.model_init import load_whole as load_policy_model
     from fastrehearse.train.parallelize import DistInfo
 
     d, _ = ref_run

@@ -187,6 +187,25 @@ def load_model(spec: str | os.PathLike, *, dtype: torch.dtype | str = torch.floa
     return model, tok
 
 
+def safetensors_files(spec: str | os.PathLike) -> list[Path]:
+    """The *.safetensors weight files of a Hugging Face directory spec; [] for any other spec
+    (embedded, tiny-*, a .gguf, a directory of pytorch_model*.bin)."""
+    s = str(spec)
+    if s in EMBEDDED_SPECS or s.startswith("tiny-"):
+        return []
+    path = Path(s).expanduser()
+    return sorted(path.glob("*.safetensors")) if path.is_dir() else []
+
+
+def load_config_and_tokenizer(spec: str | os.PathLike):
+    """(config, tokenizer) of a Hugging Face directory spec, no weights read (sharded loading builds
+    the model on meta from the config)."""
+    from transformers import AutoConfig, AutoTokenizer
+    check_spec(spec)
+    path = Path(str(spec)).expanduser()
+    return AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
+
 def _load_hf_dir(path: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPL)

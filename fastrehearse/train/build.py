@@ -2,7 +2,6 @@
 LR schedule, the logger -- everything `setup` returns as a `Run`."""
 from __future__ import annotations
 
-import copy
 import math
 import random
 from dataclasses import dataclass, field
@@ -13,15 +12,14 @@ import torch
 import yaml
 from torch import nn
 
-from fastrehearse import model as fm
 from fastrehearse.kernels._common import check_fused_forward
 from fastrehearse.kernels._head import build_head
-from fastrehearse.model import RehearsalModel, head_kwargs
-from fastrehearse.model.loader import ModelSpecError
+from fastrehearse.model import head_kwargs
 
 from .config import ConfigError, TrainConfig, to_dict
 from .metrics import MetricsLogger
-from .parallelize import DistInfo, parallelize
+from .model_init import build_generation_model, build_policy, build_reference
+from .parallelize import DistInfo
 from .tasks import build_tasks
 
 
@@ -84,25 +82,11 @@ def setup(cfg: TrainConfig, info: DistInfo) -> Run:
         run_dir.mkdir(parents=True, exist_ok=True)
     # The suite and its tasks first: a bad suite option or split fails before the model loads.
     suite, train_tasks, eval_tasks = build_tasks(cfg)
-    hf_model, tokenizer = load_policy_model(cfg)
-    ref = copy.deepcopy(hf_model).requires_grad_(False) if cfg.algo.loss.kl_coef > 0 else None
-    # Rollouts need the whole model on every rank; a sharded model would all-gather per decode
-    # step and force every rank to decode in lockstep. So sharded runs keep an unsharded copy for
-    # generation (bf16 on GPU) and refresh it after each update (verl does the same with vLLM).
-    if info.sharded:
-        gen_model = copy.deepcopy(hf_model).requires_grad_(False)
-        if info.device.type == "cuda" and cfg.model.precision != "fp32":
-            gen_model.to(torch.bfloat16)
-        gen_model.to(info.device)
-    else:
-        gen_model = hf_model
-
+    # On meta, sharded, then loaded into the shards (model_init.py): no rank holds a whole copy.
+    policy, hf_model, tokenizer = build_policy(cfg, info)
     check_kernel_backend(cfg, hf_model)
-    policy = RehearsalModel(hf_model)
-    policy = parallelize(policy, info, precision=cfg.model.precision,
-                         activation_checkpointing=cfg.model.activation_checkpointing)
-    if ref is not None:
-        ref = parallelize(RehearsalModel(ref), info, precision=cfg.model.precision)
+    ref = build_reference(cfg, info, policy, hf_model) if cfg.algo.loss.kl_coef > 0 else None
+    gen_model = build_generation_model(cfg, info, policy, hf_model)
 
     o = cfg.optim
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=o.lr,
@@ -114,7 +98,7 @@ def setup(cfg: TrainConfig, info: DistInfo) -> Run:
                            tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
                            wandb_project=cfg.log.wandb_project, config=to_dict(cfg))
     if info.is_main:
-        n_params = sum(p.numel() for p in hf_model.parameters())
+        n_params = sum(p.numel() for p in hf_model.parameters())   # global sizes (DTensor .numel)
         logger.write(f"fastrehearse: {cfg.model.spec} ({n_params / 1e6:.1f}M params) on "
                      f"{cfg.env.suite} | world {info.world_size} ({info.backend or 'single process'}, "
                      f"{info.device}) | {len(train_tasks)} train / {len(eval_tasks)} eval tasks | "
@@ -138,17 +122,6 @@ def check_kernel_backend(cfg: TrainConfig, hf_model) -> None:
         raise ConfigError(f"config key 'model.kernel_backend' = 'triton-fused' with model "
                           f"{cfg.model.spec!r}: {e}") from None
 
-
-
-def load_policy_model(cfg: TrainConfig):
-    """(model, tokenizer) in fp32 (FSDP2 keeps fp32 master weights; bf16 is a compute cast).
-
-    A spec that cannot load fails with a ConfigError naming the path (files are checked before
-    any weights are read); model.options are a tiny-* model's sizes."""
-    try:
-        return fm.load_model(cfg.model.spec, dtype=torch.float32, seed=cfg.seed, options=cfg.model.options)
-    except ModelSpecError as e:
-        raise ConfigError(f"{e} (config key 'model.spec')") from None
 
 
 class LRSchedule:

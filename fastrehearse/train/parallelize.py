@@ -171,7 +171,8 @@ def parallelize(model: nn.Module, info: DistInfo, *, precision: str = "auto",
     if not info.sharded:
         return model.to(info.device)
     from torch.distributed.fsdp import FSDPModule, fully_shard
-    model.to(info.device)
+    if not any(p.is_meta for p in model.parameters()):   # a model built on meta is sharded there
+        model.to(info.device)                            # and allocated by to_empty() after
     mp = mixed_precision(precision, info.device)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=info.mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

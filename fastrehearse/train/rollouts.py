@@ -5,11 +5,6 @@ from __future__ import annotations
 
 import time
 
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-)
-
 from fastrehearse.algo.rewards import KEPT_METADATA, assign_rewards, reward_row
 from fastrehearse.data import Episode
 from fastrehearse.eval.runner import EvalSettings, MemoryStore, evaluate_items
@@ -18,7 +13,7 @@ from fastrehearse.rollout.policy import ModelPolicy
 
 from .build import Run
 from .errors import TrainingError
-from .export import hf_prefix
+from .model_init import sync_generation_model
 from .parallelize import all_gather_object
 
 
@@ -140,11 +135,7 @@ def sync_generation_weights(run: Run) -> None:
     """Copy the updated weights into the unsharded generation model (distributed runs only)."""
     if run.gen_model is run.hf_model:
         return
-    sd = get_model_state_dict(run.policy, options=StateDictOptions(full_state_dict=True))
-    prefix = hf_prefix(run.policy, run.hf_model)
-    sd = {k[len(prefix):].replace("_checkpoint_wrapped_module.", ""): v for k, v in sd.items()
-          if k.startswith(prefix)}
-    run.gen_model.load_state_dict(sd, strict=False)
+    sync_generation_model(run.policy, run.hf_model, run.gen_model)   # one whole tensor at a time
 
 
 
