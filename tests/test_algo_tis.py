@@ -1,0 +1,75 @@
+"""Truncated importance sampling (fastrehearse/algo/tis.py): the weights by hand, and folded into
+the fused loss's token_weights they give exactly sum_t w_t c_t l_pg,t (float64 reference, every
+token and the gradient checked)."""
+import math
+
+import pytest
+import torch
+
+from fastrehearse.algo.tis import check_foldable, fold_into_token_weights, tis_weights
+from fastrehearse.kernels import PolicyLossConfig, linear_policy_loss
+from fastrehearse.kernels.roles import Role
+
+
+def test_weights_by_hand():
+    old = torch.tensor([-1.0, -2.0, math.nan, -0.1, -3.0])
+    rollout = torch.tensor([-1.5, -1.0, -0.5, math.nan, -5.0])
+    w, st = tis_weights(old, rollout, cap=2.0)
+    want = [math.exp(0.5), math.exp(-1.0), 1.0, 1.0, 2.0]          # e^2 capped at 2
+    assert torch.allclose(w, torch.tensor(want), rtol=0, atol=1e-6)
+    assert st["tis_tokens"] == 3
+    assert st["tis_ratio_max"] == pytest.approx(math.exp(2.0))
+    assert st["tis_ratio_mean"] == pytest.approx((math.exp(0.5) + math.exp(-1) + math.exp(2)) / 3)
+    assert st["tis_capped_frac"] == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="cap"):
+        tis_weights(old, rollout, cap=0.0)
+    with pytest.raises(ValueError, match="differ"):
+        tis_weights(old, rollout[:2], cap=2.0)
+
+
+def test_folded_weights_give_the_truncated_is_loss_in_float64():
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 40, 8, 32
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, v, (n,), generator=g)
+    roles = torch.tensor([int(Role.CONTEXT)] * 5 + [int(Role.ACT)] * 20 + [int(Role.REHEARSE)] * 15)
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        logp0 = torch.log_softmax(hidden @ weight.T, -1).gather(1, targets[:, None])[:, 0]
+    old = logp0 + 0.05 * torch.randn(n, generator=g, dtype=torch.float64)
+    rollout = old + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)
+    rollout[[6, 30]] = math.nan                                   # forced tokens: weight 1
+    w, _ = tis_weights(old, rollout, cap=1.5)
+    counts = torch.bincount(roles, minlength=4).double()
+    cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.28)
+    # the kernel runs in fp32 (its inputs: the float64 values rounded once); the reference in float64
+    h32 = hidden.detach().float().requires_grad_()
+    w32 = weight.detach().float().requires_grad_()
+    out = linear_policy_loss(h32, w32, targets, roles, adv.float(), old.float(), cfg,
+                             token_weights=fold_into_token_weights(roles, w, counts), backend="torch")
+    hidden, weight = h32.double().detach().requires_grad_(), w32.double().detach().requires_grad_()
+    # float64 reference: PPO-clip per token, times the truncated ratio, token-mean per role
+    logp = torch.log_softmax(hidden @ weight.T, -1).gather(1, targets[:, None])[:, 0]
+    rho = (logp - old).exp()
+    l_pg = torch.maximum(-adv * rho, -adv * rho.clamp(1 - 0.2, 1 + 0.28))
+    rl = (roles == int(Role.ACT)) | (roles == int(Role.REHEARSE))
+    ref = (w.double() * l_pg / counts[roles])[rl].sum()
+    # fp32 tolerance: the kernel's rounding (~1e-7 relative per op over a 32-term softmax)
+    assert abs(float(out.loss) - float(ref)) < 1e-5 * max(1.0, abs(float(ref)))
+    gh, gw = torch.autograd.grad(out.loss, (h32, w32))
+    rh, rw = torch.autograd.grad(ref, (hidden, weight))
+    assert torch.allclose(gh.double(), rh, rtol=1e-4, atol=1e-6)
+    assert torch.allclose(gw.double(), rw, rtol=1e-4, atol=1e-6)
+    # without the fold (c_t = 1/N_r) the loss differs: the weights matter
+    plain = linear_policy_loss(h32.detach(), w32.detach(), targets, roles, adv.float(), old.float(), cfg,
+                               normalizers=counts, backend="torch")
+    assert abs(float(plain.loss) - float(ref)) > 1e-3
+
+
+def test_kl_or_entropy_term_is_refused():
+    check_foldable(PolicyLossConfig())
+    with pytest.raises(ValueError, match="kl_coef"):
+        check_foldable(PolicyLossConfig(kl_coef=0.01))
+    with pytest.raises(ValueError, match="entropy_coef"):
+        check_foldable(PolicyLossConfig(entropy_coef=0.01))
