@@ -73,3 +73,23 @@ def test_kl_or_entropy_term_is_refused():
         check_foldable(PolicyLossConfig(kl_coef=0.01))
     with pytest.raises(ValueError, match="entropy_coef"):
         check_foldable(PolicyLossConfig(entropy_coef=0.01))
+
+
+def test_apply_tis_over_batches_matches_per_batch_folding():
+    from types import SimpleNamespace
+    from fastrehearse.algo.tis import apply_tis
+    g = torch.Generator().manual_seed(1)
+    roles = [torch.tensor([0, 1, 1, 2, 3]), torch.tensor([0, 1, 2, 2])]
+    old = [torch.randn(5, generator=g) - 2, torch.randn(4, generator=g) - 2]
+    roll = [o + 0.5 * torch.randn(o.shape, generator=g) for o in old]
+    roll[0][4] = math.nan
+    batches = [SimpleNamespace(roles=r, old_logp=o) for r, o in zip(roles, old)]
+    counts = torch.tensor([[2.0, 3.0, 3.0, 1.0], [2.0, 2.0, 2.0, 1.0]], dtype=torch.float64)
+    ws, st = apply_tis(batches, roll, counts, None, cap=1.2)
+    for b, r, w in zip(batches, roll, ws):
+        tw, _ = tis_weights(b.old_logp, r, 1.2)
+        assert torch.equal(w, fold_into_token_weights(b.roles, tw, counts[0]))
+    ratios = torch.cat([(o - r).exp()[torch.isfinite(r)] for o, r in zip(old, roll)])
+    assert st["tis_tokens"] == ratios.numel() == 8
+    assert st["tis_ratio_max"] == pytest.approx(float(ratios.max()), rel=1e-6)
+    assert st["tis_ratio_mean"] == pytest.approx(float(ratios.mean()), rel=1e-6)

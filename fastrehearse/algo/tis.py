@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from fastrehearse.kernels.roles import NUM_ROLES, Role
+from fastrehearse.kernels.roles import NUM_ROLES
 
 
 def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float
@@ -68,4 +68,22 @@ def check_foldable(loss_config) -> None:
                          f"{' and '.join('algo.loss.' + k for k in bad)} to 0")
 
 
-SAMPLED_ROLES = (Role.ACT, Role.REHEARSE)
+def apply_tis(batches, rollout_logp: list[torch.Tensor], global_counts: torch.Tensor,
+              weights: list[torch.Tensor] | None, cap: float) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """The trainer's step (train/update.py): `rollout_logp[i]` = batch i's old_logp as packed (the
+    backend's sampled log-probs, kept before the trainer overwrites old_logp with its own),
+    `weights` = the aggregation's token weights or None (token-mean). Returns the token weights
+    with TIS folded in and this rank's ratio statistics (token-weighted over batches)."""
+    out, n, total, maxes, capped = [], 0, 0.0, [], 0.0
+    for i, b in enumerate(batches):
+        w, st = tis_weights(b.old_logp, rollout_logp[i].to(b.old_logp.device), cap)
+        out.append(fold_into_token_weights(b.roles, w, global_counts[0],
+                                           None if weights is None else weights[i]).to(b.roles.device))
+        k = st["tis_tokens"]
+        n += k
+        total += st["tis_ratio_mean"] * k
+        capped += st["tis_capped_frac"] * k
+        if k:
+            maxes.append(st["tis_ratio_max"])
+    return out, {"tis_ratio_mean": total / n if n else 1.0, "tis_ratio_max": max(maxes, default=1.0),
+                 "tis_capped_frac": capped / n if n else 0.0, "tis_tokens": n}

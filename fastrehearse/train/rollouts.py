@@ -10,6 +10,7 @@ from fastrehearse.data import Episode
 from fastrehearse.eval.runner import EvalSettings, MemoryStore, evaluate_items
 from fastrehearse.rollout.engine import RolloutEngine
 from fastrehearse.rollout.policy import ModelPolicy
+from fastrehearse.rollout.vllm_backend import BackendDied, VLLMStartError, shared_backend
 
 from .build import Run
 from .errors import TrainingError
@@ -30,6 +31,8 @@ def rollout(run: Run, tasks, *, mode: str, temperature: float, seed: int, group_
     run.gen_model.eval()
     try:
         res = engine.rollout(tasks, run.suite, group_size=group_size, seed=seed)
+    except (BackendDied, VLLMStartError) as e:   # no task can run: stop (the last checkpoint stays)
+        raise TrainingError(f"rollout: {e}; --resume continues from the last complete checkpoint") from None
     except Exception as e:  # noqa: BLE001 - any engine bug: isolate the failing task(s)
         run.logger.write(f"rollout failed on a batch of {len(tasks)} tasks ({type(e).__name__}: {e}); "
                          f"retrying one task at a time")
@@ -41,6 +44,8 @@ def rollout(run: Run, tasks, *, mode: str, temperature: float, seed: int, group_
     for i, t in enumerate(tasks):
         try:
             res = engine.rollout([t], run.suite, group_size=group_size, seed=seed * 1000 + i)
+        except (BackendDied, VLLMStartError) as e:
+            raise TrainingError(f"rollout: {e}; --resume continues from the last complete checkpoint") from None
         except Exception as e:  # noqa: BLE001
             failures += 1
             run.logger.write(f"rollout failed for task {t.id}: {type(e).__name__}: {e}")
@@ -131,11 +136,34 @@ def evaluate(run: Run, *, tag: str) -> dict:
 
 
 
-def sync_generation_weights(run: Run) -> None:
-    """Copy the updated weights into the unsharded generation model (distributed runs only)."""
-    if run.gen_model is run.hf_model:
-        return
-    sync_generation_model(run.policy, run.hf_model, run.gen_model)   # one whole tensor at a time
+def start_rollout_backend(run: Run) -> float:
+    """rollout.backend=vllm: start this process's vLLM instance on the generation model now (not in
+    the first step's rollout); its start-up seconds (0 for hf). Refusals (vLLM missing, a KV cache
+    too small) are one-line TrainingErrors."""
+    if run.cfg.rollout.backend != "vllm":
+        return 0.0
+    try:
+        b = shared_backend(run.gen_model, run.tokenizer, run.cfg.rollout)
+    except (BackendDied, VLLMStartError, ValueError) as e:
+        raise TrainingError(f"rollout.backend=vllm: {e}") from None
+    run.logger.write(f"vLLM rollout backend started in {b.startup_s:.1f} s (served from {b.dir})")
+    return b.startup_s
+
+
+def sync_generation_weights(run: Run) -> float:
+    """Copy the updated weights into the unsharded generation model (distributed runs only) and,
+    with rollout.backend=vllm, into the vLLM instance (fastrehearse.rollout.vllm_backend:
+    safetensors in tmpfs, reloaded in place). Returns the seconds the sync took (metrics.jsonl
+    `weight_sync_s`)."""
+    t0 = time.perf_counter()
+    if run.gen_model is not run.hf_model:
+        sync_generation_model(run.policy, run.hf_model, run.gen_model)   # one whole tensor at a time
+    if run.cfg.rollout.backend == "vllm":
+        try:
+            shared_backend(run.gen_model, run.tokenizer, run.cfg.rollout).sync_weights(run.gen_model)
+        except BackendDied as e:
+            raise TrainingError(f"weight sync: {e}; --resume continues from the last complete checkpoint") from None
+    return round(time.perf_counter() - t0, 3)
 
 
 
