@@ -1,5 +1,6 @@
 """Guards of the loop: non-finite steps are skipped (not applied) and N in a row stop training with
 a clear error; rollout failures are counted, not fatal; the LR schedule; the task stream."""
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -97,3 +98,45 @@ def test_lr_schedule_and_task_stream():
     stream = next_tasks(tasks, 0, 10, seed=3)
     assert sorted(stream[:5]) == tasks and sorted(stream[5:]) == tasks   # each epoch a permutation
     assert next_tasks(tasks, 4, 3, seed=3) == stream[4:7]           # cursor resumes exactly
+
+
+def test_sft_without_gold_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """sft.steps > 0 on a split without gold trajectories: a ConfigError naming the key from
+    build_tasks, before any weights load (it used to surface at the first SFT step)."""
+    from fastrehearse.envs.builtin.suite import BuiltinSuite
+    from fastrehearse.train import model_init
+    from fastrehearse.train.config import ConfigError
+    from fastrehearse.train.loop import train
+    real = BuiltinSuite.tasks
+
+    def no_gold(self, split, limit=None):
+        return [dataclasses.replace(t, gold=None) for t in real(self, split, limit)]
+    monkeypatch.setattr(BuiltinSuite, "tasks", no_gold)
+    monkeypatch.setattr(model_init, "load_whole", lambda cfg: pytest.fail("the model loaded first"))
+    cfg = load_config("configs/smoke.yaml", [f"run_dir={tmp_path}", "sft.steps=2"])
+    with pytest.raises(ConfigError, match=r"'sft.steps' = 2: no task of env.train_split 'train' has a gold"):
+        train(cfg)
+
+
+def test_prompt_length_warning_goes_to_the_run_log(run):
+    """Some (not all) prompts fill max_episode_tokens: the warning is returned for the run's logger
+    (it was a bare print); none: nothing."""
+    from fastrehearse.rollout.template import ChatTemplate
+    from fastrehearse.train.tasks import check_prompt_lengths
+    cfg, tasks, tmpl = run.cfg, run.train_tasks[:16], ChatTemplate(run.tokenizer)
+    lens = []
+    for t in tasks:
+        env = run.suite.make_env()
+        r = env.reset(t)
+        env.close()
+        lens.append(len(tmpl.render(list(r.messages), r.tools, add_generation_prompt=True).input_ids))
+    assert min(lens) < max(lens)
+    saved = cfg.rollout.max_episode_tokens
+    try:
+        cfg.rollout.max_episode_tokens = max(lens)
+        got = check_prompt_lengths(cfg, run.suite, tasks, run.tokenizer)
+        assert len(got) == 1 and got[0].startswith("warning: ") and "nothing would be generated" in got[0]
+        cfg.rollout.max_episode_tokens = max(lens) + 1
+        assert check_prompt_lengths(cfg, run.suite, tasks, run.tokenizer) == []
+    finally:
+        cfg.rollout.max_episode_tokens = saved

@@ -67,12 +67,10 @@ def apply_optim_settings(run: Run) -> None:
     fn = LRSchedule(run.cfg)
     groups = run.optimizer.param_groups
     for g in groups:
-        g.update(initial_lr=o.lr, lr=o.lr * fn(step), betas=tuple(o.betas), eps=o.eps,
-                 weight_decay=o.weight_decay)
-    run.scheduler.lr_lambdas = [fn] * len(groups)
-    run.scheduler.base_lrs = [o.lr] * len(groups)
-    run.scheduler.last_epoch = step
-    run.scheduler._last_lr = [g["lr"] for g in groups]
+        g.update(initial_lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    # A scheduler resumed at `step` (LambdaLR's own resume path: last_epoch = step - 1, then its
+    # initial step sets every group's lr to initial_lr * fn(step)).
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lr_lambda=fn, last_epoch=step - 1)
 
 
 def setup(cfg: TrainConfig, info: DistInfo) -> Run:

@@ -27,10 +27,9 @@ import yaml
 from fastrehearse.algo.rewards import WorldRewardConfig, check_task_reward
 from fastrehearse.kernels import PolicyLossConfig
 from fastrehearse.model.loader import TinyModelOptions
+from fastrehearse.rollout.engine import MODES as ROLLOUT_MODES
 from fastrehearse.rollout.engine import RolloutConfig as EngineRolloutConfig
 
-ROLLOUT_MODES = ("rehearse", "real", "hybrid")
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 PRECISIONS = ("auto", "fp32", "bf16")
 
 
@@ -367,9 +366,6 @@ def validate(cfg: TrainConfig, explicit: set | frozenset = frozenset()) -> Train
     choice("rollout.mode", cfg.rollout.mode, ROLLOUT_MODES)
     choice("eval.mode", cfg.eval.mode, ROLLOUT_MODES)
     choice("algo.aggregation", cfg.algo.aggregation, AGGREGATIONS)
-    choice("algo.loss.kl_type", cfg.algo.loss.kl_type, KL_TYPES)
-    if cfg.algo.loss.kl_type == "low_var_kl":
-        cfg.algo.loss.kl_type = "k3"
     choice("model.precision", cfg.model.precision, PRECISIONS)
     from fastrehearse.kernels._common import BACKENDS as KERNEL_BACKENDS
     choice("model.kernel_backend", cfg.model.kernel_backend, KERNEL_BACKENDS)
@@ -406,9 +402,6 @@ def validate(cfg: TrainConfig, explicit: set | frozenset = frozenset()) -> Train
         cfg.rollout.engine().validate()
     except ValueError as e:
         raise ConfigError(f"config section 'rollout': {e}") from None
-    if cfg.algo.loss.dual_clip is not None and cfg.algo.loss.dual_clip <= 1.0:
-        raise ConfigError(f"config key 'algo.loss.dual_clip' must be > 1 (or null), got "
-                          f"{cfg.algo.loss.dual_clip}")
     want = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
     if "algo.loss.temperature" in explicit:
         t = cfg.algo.loss.temperature

@@ -82,7 +82,7 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, overwrite: bool) -> d
     notes = prepare_run_dir(cfg, info, resume=resume, overwrite=overwrite)
     run = setup(cfg, info)
     if cfg.steps > 0:
-        check_prompt_lengths(cfg, run.suite, run.train_tasks, run.tokenizer)
+        notes += check_prompt_lengths(cfg, run.suite, run.train_tasks, run.tokenizer)
     for n in notes + warnings_for(cfg):
         run.logger.write(n)
     ckpt = Checkpointer(cfg.run_dir, info, keep=cfg.checkpoint.keep)
@@ -189,10 +189,7 @@ def sft_step(run: Run) -> dict:
     """One CE step on gold trajectories (every rank builds the same global list; packing splits
     it). Gold tool responses are real ones: role OBSERVED, the world model's supervised target."""
     cfg = run.cfg
-    gold = [t for t in run.train_tasks if t.gold]
-    if not gold:
-        raise ValueError(f"sft.steps={cfg.sft.steps} but no task of split {cfg.env.train_split!r} has a "
-                         f"gold trajectory")
+    gold = [t for t in run.train_tasks if t.gold]   # non-empty: checked by build_tasks before loading
     tasks = next_tasks(gold, run.state.sft_cursor, cfg.sft.tasks_per_step, cfg.seed + 1)
     run.state.sft_cursor += cfg.sft.tasks_per_step
     episodes = [gold_episode(run, t) for t in tasks]

@@ -39,12 +39,15 @@ def build_tasks(cfg: TrainConfig):
     if not tasks["env.train_split"]:
         raise ConfigError(f"config key 'env.train_split' = {cfg.env.train_split!r}: suite "
                           f"{cfg.env.suite!r} has no tasks in it")
+    if cfg.sft.steps > 0 and not any(t.gold for t in tasks["env.train_split"]):
+        raise ConfigError(f"config key 'sft.steps' = {cfg.sft.steps}: no task of env.train_split "
+                          f"{cfg.env.train_split!r} has a gold trajectory to warm up on (set sft.steps=0)")
     return suite, tasks["env.train_split"], tasks["env.eval_split"]
 
 
-def check_prompt_lengths(cfg: TrainConfig, suite, tasks: list, tokenizer, sample: int = 16) -> None:
+def check_prompt_lengths(cfg: TrainConfig, suite, tasks: list, tokenizer, sample: int = 16) -> list[str]:
     """A prompt that fills rollout.max_episode_tokens leaves nothing to generate: refuse when every
-    sampled task's prompt does, warn when some do."""
+    sampled task's prompt does; returns the warning to log when some do."""
     tmpl = ChatTemplate(tokenizer)
     budget = cfg.rollout.max_episode_tokens
     lens = []
@@ -57,12 +60,12 @@ def check_prompt_lengths(cfg: TrainConfig, suite, tasks: list, tokenizer, sample
         lens.append(len(tmpl.render(list(reset.messages), reset.tools, add_generation_prompt=True).input_ids))
     over = [n for n in lens if n >= budget]
     if not over:
-        return
+        return []
     msg = (f"{len(over)} of the first {len(lens)} train prompts are {min(over)}-{max(over)} tokens, "
            f">= rollout.max_episode_tokens={budget}: nothing would be generated or trained for them")
     if len(over) == len(lens):
         raise ConfigError(f"config key 'rollout.max_episode_tokens': {msg}; raise it above {max(over)}")
-    print(f"[fastrehearse] warning: {msg}", flush=True)
+    return [f"warning: {msg}"]
 
 
 
