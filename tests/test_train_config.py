@@ -124,3 +124,14 @@ def test_task_reward_the_suite_cannot_compute_is_refused_before_loading():
     cfg = load_config("configs/qwen3_8b_tau2_telecom.yaml", ["env.reward=consistent", "model.spec=tiny-llama"])
     with pytest.raises(ConfigError, match=r"'env.reward'.*consistent.*suite 'tau2' has only \['real'\]"):
         preflight(cfg)
+
+
+def test_tis_cap_checks():
+    """Truncated IS rides on the loss's token weights: with the vLLM backend a KL / entropy term it
+    would also scale is refused naming the keys; a cap must be > 0; null turns it off."""
+    with pytest.raises(ConfigError, match=r"'algo.tis_cap'.*kl_coef.*set algo.tis_cap to null"):
+        load_config(CONFIGS / "smoke.yaml", ["rollout.backend=vllm", "algo.loss.kl_coef=0.01"])
+    with pytest.raises(ConfigError, match=r"'algo.tis_cap' must be > 0"):
+        load_config(CONFIGS / "smoke.yaml", ["algo.tis_cap=0"])
+    assert load_config(CONFIGS / "smoke.yaml", ["rollout.backend=vllm", "algo.tis_cap=null"]).algo.tis_cap is None
+    assert load_config(CONFIGS / "smoke.yaml", ["algo.loss.entropy_coef=0"]).algo.tis_cap == 2.0

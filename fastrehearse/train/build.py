@@ -56,6 +56,7 @@ class Run:
     stop_requested: bool = False
     template: object = None        # ChatTemplate for gold trajectories (built on first use)
     config_text: str = ""          # config.yaml of this run (also stored in each checkpoint)
+    backend_startup_s: float = 0.0  # the rollout backend's start-up (vLLM), reported in the summary
 
 
 

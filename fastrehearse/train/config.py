@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from fastrehearse.algo.rewards import WorldRewardConfig, check_task_reward
+from fastrehearse.algo.tis import check_foldable
 from fastrehearse.kernels import PolicyLossConfig
 from fastrehearse.model.loader import TinyModelOptions
 from fastrehearse.rollout.engine import MODES as ROLLOUT_MODES
@@ -109,6 +110,10 @@ class AlgoConfig:
     # The REHEARSE role's reward (fastrehearse.algo.rewards): mode task | world (format + grounded).
     world_reward: WorldRewardConfig = field(default_factory=WorldRewardConfig)
     hybrid_baseline: typing.Literal["strata", "pooled"] = "strata"   # hybrid ACT baseline per stratum
+    # Truncated importance sampling for the rollout/trainer mismatch (fastrehearse.algo.tis): each
+    # sampled token's loss is weighted by min(pi_trainer_old / pi_rollout, tis_cap). Applied with
+    # rollout.backend=vllm (on by default there); null: off.
+    tis_cap: float | None = 2.0
 
 
 @dataclass
@@ -413,6 +418,13 @@ def validate(cfg: TrainConfig, explicit: set | frozenset = frozenset()) -> Train
         cfg.algo.loss.temperature = want
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
         raise ConfigError(f"config key 'optim.betas' must be 2 numbers in [0, 1), got {cfg.optim.betas}")
+    if cfg.algo.tis_cap is not None:
+        positive("algo.tis_cap", cfg.algo.tis_cap)
+        if cfg.rollout.backend == "vllm":
+            try:
+                check_foldable(cfg.algo.loss)
+            except ValueError as e:
+                raise ConfigError(f"config key 'algo.tis_cap': {e}") from None
     if cfg.max_tokens < cfg.rollout.max_episode_tokens:
         raise ConfigError(f"config key 'max_tokens' ({cfg.max_tokens}) must be >= "
                           f"'rollout.max_episode_tokens' ({cfg.rollout.max_episode_tokens}): a "

@@ -46,6 +46,7 @@ from .rollouts import (
     rollout,
     rollout_row,
     slim_episode,
+    start_rollout_backend,
     sync_generation_weights,
 )
 from .run_dir import prepare_run_dir, write_run_config
@@ -85,6 +86,7 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, overwrite: bool) -> d
         notes += check_prompt_lengths(cfg, run.suite, run.train_tasks, run.tokenizer)
     for n in notes + warnings_for(cfg):
         run.logger.write(n)
+    run.backend_startup_s = start_rollout_backend(run)   # vLLM: started now, not in the first rollout
     ckpt = Checkpointer(cfg.run_dir, info, keep=cfg.checkpoint.keep)
     resumed_at = None
     if resume:
@@ -180,7 +182,7 @@ def rl_step(run: Run) -> dict:
     row["zero_signal_groups_rehearse"] = adv.zero_signal_frac.get("REHEARSE", 0.0)
     # 4-6. pack, old/ref log-probs, update
     row.update(policy_update(run, episodes, stage="rl"))
-    sync_generation_weights(run)
+    row["weight_sync_s"] = sync_generation_weights(run)
     return row
 
 
@@ -195,7 +197,7 @@ def sft_step(run: Run) -> dict:
     episodes = [gold_episode(run, t) for t in tasks]
     row = {"stage": "sft"}
     row.update(policy_update(run, episodes, stage="sft"))
-    sync_generation_weights(run)
+    row["weight_sync_s"] = sync_generation_weights(run)
     return row
 
 
@@ -243,5 +245,6 @@ def _summary(run: Run, after: dict, wall_s: float, export_dir) -> dict:
         "rollout_tokens_per_s": float(np.median(rtps)) if rtps else None,
         "wall_s": wall_s, "steps": run.state.step, "skipped_steps": run.state.skipped_steps,
         "rollout_failures": run.state.rollout_failures, "world_size": run.info.world_size,
+        "backend": run.cfg.rollout.backend, "backend_startup_s": run.backend_startup_s,
         "export_dir": str(export_dir) if export_dir else None,
     }

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from fastrehearse.algo import local_counts, token_weights
+from fastrehearse.algo.tis import apply_tis
 from fastrehearse.data import Episode
 from fastrehearse.kernels import linear_logprobs
 from fastrehearse.kernels.roles import Role
@@ -36,13 +37,21 @@ def policy_update(run: Run, episodes: list[Episode], *, stage: str) -> dict:
     if stage == "rl" and cfg.algo.aggregation != "token-mean":
         weights = token_weights(batches, cfg.algo.aggregation, counts,
                                 norm_len=cfg.algo.norm_len or cfg.rollout.max_episode_tokens)
+    tis_row = {}
     if stage == "rl":
+        # The rollout backend's own log-probs of its samples (NaN where it sampled nothing), kept
+        # for truncated IS before old_logp becomes the trainer's (fastrehearse.algo.tis).
+        tis = cfg.rollout.backend == "vllm" and cfg.algo.tis_cap is not None
+        rollout_lp = [b.old_logp.clone() for b in batches] if tis else None
         _fill_old_and_ref_logp(run, batches)
         bad = sum(int((~torch.isfinite(b.old_logp)).sum()) for b in batches)
         if run.ref is not None:
             bad += sum(int((~torch.isfinite(b.ref_logp)).sum()) for b in batches)
         if any_rank(bad > 0, info):
             return skip_step(run, {"train_tokens": n_tokens}, reason=f"{bad} non-finite old/reference log-probs")
+        if tis:
+            weights, st = apply_tis(batches, rollout_lp, counts, weights, cfg.algo.tis_cap)
+            tis_row = _tis_over_ranks(st, info)
 
     out = {}
     t0 = time.perf_counter()
@@ -53,7 +62,17 @@ def policy_update(run: Run, episodes: list[Episode], *, stage: str) -> dict:
                tokens_per_s=n_tokens * (cfg.algo.updates_per_batch if stage == "rl" else 1) / dt)
     for r in (Role.ACT, Role.REHEARSE, Role.OBSERVED):
         out[f"tokens_{r.name.lower()}"] = int(counts[0, int(r)].item())
+    out.update(tis_row)
     return out
+
+
+def _tis_over_ranks(st: dict, info: DistInfo) -> dict:
+    """The truncated-IS ratio statistics of every rank: token-weighted mean and capped share, max."""
+    n, mean_n, capped_n = sum_over_ranks([st["tis_tokens"], st["tis_ratio_mean"] * st["tis_tokens"],
+                                          st["tis_capped_frac"] * st["tis_tokens"]], info).tolist()
+    top = max(all_gather_object(st["tis_ratio_max"] if st["tis_tokens"] else None, info), key=lambda v: v or 0.0)
+    return {"tis_ratio_mean": mean_n / n if n else 1.0, "tis_ratio_max": top if top is not None else 1.0,
+            "tis_capped_frac": capped_n / n if n else 0.0}
 
 
 def _one_update(run: Run, batches, counts, weights, stage: str) -> dict:
@@ -144,15 +163,19 @@ def skip_step(run: Run, row: dict, reason: str) -> dict:
 
 
 def _fill_old_and_ref_logp(run: Run, batches) -> None:
-    """old_logp: the rollout's own log-probs when strictly on-policy (one update per batch and every
-    sampled token has one), else one no-grad forward of the current policy. ref_logp when KL is on.
+    """old_logp: the rollout's own log-probs when strictly on-policy (one update per batch, the HF
+    backend, every sampled token has one), else one no-grad forward of the current policy. ref_logp
+    when KL is on.
     Tokens that were not sampled (OBSERVED, CONTEXT) have no behaviour log-prob (NaN from the
     rollout); they use no ratio, so they get 0."""
     cfg = run.cfg
     for b in batches:
         sampled = (b.roles == int(Role.ACT)) | (b.roles == int(Role.REHEARSE))
         b.old_logp = torch.where(sampled, b.old_logp, torch.zeros_like(b.old_logp))
-    reuse = cfg.algo.updates_per_batch == 1 and all(bool(torch.isfinite(b.old_logp).all()) for b in batches)
+    # vLLM's log-probs are another engine's numbers: the ratio's denominator is always the trainer's
+    # own (the mismatch is what truncated IS corrects).
+    reuse = (cfg.algo.updates_per_batch == 1 and cfg.rollout.backend == "hf"
+             and all(bool(torch.isfinite(b.old_logp).all()) for b in batches))
     if not reuse:
         for b, lp in zip(batches, compute_logprobs(run.policy, batches, cfg)):
             sampled = (b.roles == int(Role.ACT)) | (b.roles == int(Role.REHEARSE))
