@@ -166,9 +166,11 @@ def grad_dtype(w: torch.Tensor) -> torch.dtype:
 # One-pass fused policy loss (kernels/policy_loss.py, row-chunked: a chunk holds whole rows of
 # logits, its dZ^T X_c is added into one fp32 V x H dW accumulator). Its workspace = that
 # accumulator + the chunk's buffers. Few chunks make the accumulator's read-modify-write cheap:
-# with K = rows, its 8 bytes per element are hidden behind the GEMM's FLOPs from ~740 rows on an
-# H200 (790 TFLOP/s, 4.3 TB/s; benchmarks/roofline.py). At H=4096, V=128256 the accumulator
-# alone is 1.96 GiB and 3 GiB leaves ~1400 rows per chunk (12 chunks at N=16384).
+# with K = rows, its 8 bytes per element could hide behind the GEMM's FLOPs from ~740 rows on an
+# H200 only at benchmarks/roofline.py's optimistic end (790 TFLOP/s, 4.3 TB/s, all traffic
+# overlapped); its central estimate leaves part of it exposed (docs/kernels.md; a prediction, no GPU
+# has measured it). At H=4096, V=128256 the accumulator alone is 1.96 GiB and 3 GiB leaves ~1400
+# rows per chunk (12 chunks at N=16384).
 FUSED_WORKSPACE_BYTES_CUDA = 3 << 30
 
 
