@@ -16,6 +16,14 @@ Also: batched rollout tokens/s (all episodes in one decode batch) vs one episode
 Prints a table, writes JSON (hardware, torch version, medians over --repeats) and a PNG.
 
     python benchmarks/bench_rollout.py [--model smollm2|tiny-llama] [--tasks 8] [--json PATH]
+
+`--backends hf,vllm` instead compares the generation backends (fastrehearse/rollout/segments.py)
+on the same tasks with the same sampling settings, in interleaved rounds: builtin `mixed` and BFCL
+multi-turn episodes (model-sampled, T=1: what an RL step rolls out), the engine on vLLM against raw
+`LLM.generate` over the same prompts and sampled lengths, and an RL step (rollout + weight sync +
+update) on the BFCL episodes. Writes benchmarks/results/rollout_backends_<device>.json.
+
+    python benchmarks/bench_rollout.py --backends hf,vllm [--model smollm2] [--rounds 2]
 """
 from __future__ import annotations
 
@@ -126,6 +134,167 @@ def median_run(repeats, **kw):
     return out
 
 
+def _backend_run(model, tok, tmpl, suite, tasks, cfg, backend, seed):
+    eng = RolloutEngine(model, tok, cfg, template=tmpl, backend=backend)
+    t0 = time.perf_counter()
+    res = eng.rollout(tasks, suite, group_size=1, seed=seed)
+    dt = time.perf_counter() - t0
+    m = res.metrics
+    return {"rollout_s": dt, "tokens": m["decode_tokens"], "tokens_per_s": m["decode_tokens"] / dt,
+            "prefill_tokens": m["prefill_tokens"], "prefill_reused_tokens": m["prefill_reused_tokens"],
+            "segments": m["segments"], "episodes": len(res.episodes),
+            "episode_tokens": sum(len(e.input_ids) for e in res.episodes),
+            "stop_reasons": m["stop_reasons"]}, res
+
+
+def _raw_generate(llm, episodes, rounds=1):
+    """vLLM's own LLM.generate over the episodes' prompts, each asked for as many tokens as the
+    engine sampled in that episode (ignore_eos: exactly that many), T=1."""
+    from vllm import SamplingParams
+    prompts, lens = [], []
+    for ep in episodes:
+        p = ep.metadata["prompt_tokens"]
+        n = sum(1 for r in ep.roles[p:] if r in (int(Role.ACT), int(Role.REHEARSE)))
+        prompts.append({"prompt_token_ids": ep.input_ids[:p]})
+        lens.append(max(1, n))
+    llm.reset_prefix_cache()
+    t0 = time.perf_counter()
+    out = llm.generate(prompts, [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in lens],
+                       use_tqdm=False)
+    dt = time.perf_counter() - t0
+    n = sum(len(o.outputs[0].token_ids) for o in out)
+    return {"rollout_s": dt, "tokens": n, "tokens_per_s": n / dt}
+
+
+def _update_seconds(model, episodes):
+    """The trainer's RL update on `episodes`: packed, RL loss head (fused), backward, Adam step."""
+    import copy
+    from fastrehearse.algo import local_counts
+    from fastrehearse.model import RehearsalModel, use_varlen_attention
+    from fastrehearse.packing import pack
+    from fastrehearse.train.config import TrainConfig
+    from fastrehearse.train.heads import rl_head
+    m = copy.deepcopy(model)
+    use_varlen_attention(m)
+    m.train()
+    wrapped = RehearsalModel(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-6)
+    cfg = TrainConfig()
+    t0 = time.perf_counter()
+    batches = pack(episodes, 8192, num_ranks=1, overlong="truncate_right")
+    counts = local_counts(batches)
+    for b in batches:
+        b.advantages = torch.randn(b.num_tokens, generator=torch.Generator().manual_seed(0))
+        b.ref_logp = None
+        wrapped(b, rl_head(cfg, b, counts[0], None)).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def backends_main(args):
+    """--backends: hf vs vllm, interleaved rounds (see the module docstring)."""
+    from fastrehearse.envs import get_suite
+    from fastrehearse.rollout.vllm_backend import VLLMBackend
+    from fastrehearse.rollout.engine import VLLMOptions
+    names = args.backends.split(",")
+    if any(n not in ("hf", "vllm") for n in names):
+        raise SystemExit(f"--backends: expected names from hf,vllm, got {args.backends!r}")
+    torch.set_num_threads(args.threads or 2)
+    model, tok = load_model(args.model)
+    model.eval()
+    tmpl = ChatTemplate(tok)
+    workloads = {
+        "builtin_mixed": (BuiltinSuite(level="mixed", n_train=max(args.tasks, 16), n_test=8),
+                          dict(split="train", limit=args.tasks),
+                          RolloutConfig(mode="rehearse", temperature=1.0, max_new_tokens=96, max_turns=3,
+                                        max_episode_tokens=2048, max_batch_size=64)),
+        "bfcl_multi_turn": (get_suite("bfcl"), dict(split="multi_turn_base", limit=args.bfcl_tasks),
+                            RolloutConfig(mode="real", temperature=1.0, max_new_tokens=96,
+                                          max_turns=args.bfcl_turns, max_episode_tokens=8192, max_batch_size=64)),
+    }
+    backends, startup = {}, {}
+    t0 = time.perf_counter()
+    backends["hf"] = None                        # the engine's default (HFGenerator over `model`)
+    startup["hf"] = 0.0                          # the model is the trainer's own: nothing to start
+    if "vllm" in names:
+        t0 = time.perf_counter()
+        backends["vllm"] = VLLMBackend(model, tok, max_episode_tokens=8192,
+                                       options=VLLMOptions(kv_cache_gib=args.kv_cache_gib,
+                                                           enforce_eager=args.enforce_eager))
+        startup["vllm"] = time.perf_counter() - t0
+        print(f"vllm start-up {startup['vllm']:.1f} s", flush=True)
+    out = {"benchmark": "rollout_backends", "model": args.model, "rounds": args.rounds,
+           "hardware": {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+           "torch": torch.__version__, "vllm_enforce_eager": args.enforce_eager, "workloads": {}}
+    last = {}
+    for wname, (suite, tk, cfg) in workloads.items():
+        tasks = suite.tasks(tk["split"], limit=tk["limit"])
+        runs = {n: [] for n in names}
+        for r in range(args.rounds):                 # interleaved: hf, vllm / vllm, hf / ...
+            for n in (names if r % 2 == 0 else names[::-1]):
+                rec, res = _backend_run(model, tok, tmpl, suite, tasks, cfg, backends[n], seed=r)
+                runs[n].append(rec)
+                last[(wname, n)] = res
+                print(f"{wname} round {r} {n}: {rec['rollout_s']:.1f} s, {rec['tokens']} tokens, "
+                      f"{rec['tokens_per_s']:.1f} tok/s", flush=True)
+        recs = []
+        for n in names:
+            rs = runs[n]
+            med = statistics.median(x["rollout_s"] for x in rs)
+            tps = statistics.median(x["tokens_per_s"] for x in rs)
+            recs.append({"backend": n, "startup_s": round(startup[n], 2), "rollout_s": round(med, 2),
+                         "tokens": rs[-1]["tokens"], "tokens_per_s": round(tps, 2),
+                         "episodes": rs[-1]["episodes"], "rounds": rs})
+        w = {"tasks": len(tasks), "config": {k: getattr(cfg, k) for k in ("mode", "temperature", "max_new_tokens",
+                                                                          "max_turns", "max_episode_tokens")},
+             "records": recs}
+        if len(names) == 2:
+            w["ratio_tokens_per_s"] = round(recs[1]["tokens_per_s"] / recs[0]["tokens_per_s"], 3)
+        out["workloads"][wname] = w
+    if "vllm" in names:
+        b = backends["vllm"]
+        raw = _raw_generate(b.llm, last[("builtin_mixed", "vllm")].episodes)
+        eng = statistics.median(x["tokens_per_s"] for x in out["workloads"]["builtin_mixed"]["records"][-1]["rounds"])
+        out["engine_vs_raw_generate"] = {"workload": "builtin_mixed", "raw_generate": raw,
+                                         "engine_tokens_per_s": eng, "ratio": round(eng / raw["tokens_per_s"], 3)}
+        # RL step on BFCL multi-turn: rollout (median) + weight sync + update (same for both)
+        syncs = [b.sync_weights(model) for _ in range(2)]
+        eps = last[("bfcl_multi_turn", names[0])].episodes[:args.update_episodes]
+        upd = _update_seconds(model, eps)
+        n_eps = out["workloads"]["bfcl_multi_turn"]["tasks"]
+        upd_all = upd * n_eps / len(eps)
+        step = {}
+        for rec in out["workloads"]["bfcl_multi_turn"]["records"]:
+            sync = statistics.median(syncs) if rec["backend"] == "vllm" else 0.0
+            step[rec["backend"]] = {"rollout_s": rec["rollout_s"], "weight_sync_s": round(sync, 2),
+                                    "update_s": round(upd_all, 2),
+                                    "step_s": round(rec["rollout_s"] + sync + upd_all, 2)}
+        out["rl_step_bfcl_multi_turn"] = {
+            **step, "update_note": f"update measured on {len(eps)} of the {n_eps} episodes (packed, fused RL "
+                                   f"head, backward, AdamW) and scaled by {n_eps}/{len(eps)}; same for both backends",
+            "speedup": round(step["hf"]["step_s"] / step["vllm"]["step_s"], 3) if "hf" in step else None}
+        b.close()
+    out["note"] = ("same tasks, seeds and sampling settings (T=1, top_p=1) for both backends, rounds interleaved; "
+                   "tokens = tokens the model sampled (episodes differ in content between backends: tokens/s "
+                   "normalizes); start-up reported separately; the 2-core box is shared with other jobs.")
+    path = Path(args.json) if args.json else RESULTS / f"rollout_backends_{'cuda' if torch.cuda.is_available() else 'cpu'}.json"
+    path.write_text(json.dumps(out, indent=2, default=str))
+    print(f"\n{'workload':<18} {'backend':<6} {'start s':>8} {'rollout s':>10} {'tokens':>7} {'tok/s':>8}")
+    for wname, w in out["workloads"].items():
+        for r in w["records"]:
+            print(f"{wname:<18} {r['backend']:<6} {r['startup_s']:>8.1f} {r['rollout_s']:>10.1f} {r['tokens']:>7} "
+                  f"{r['tokens_per_s']:>8.1f}")
+        if "ratio_tokens_per_s" in w:
+            print(f"{wname}: vllm/hf tokens/s {w['ratio_tokens_per_s']:.2f}x")
+    if "engine_vs_raw_generate" in out:
+        print(f"engine on vLLM vs raw LLM.generate: {out['engine_vs_raw_generate']['ratio']:.2f}x")
+        print(f"RL step (BFCL multi-turn): {json.dumps(out['rl_step_bfcl_multi_turn'])}")
+    print(f"wrote {path}")
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2", help="load_model spec (smollm2, tiny-llama, a path)")
@@ -135,7 +304,18 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
     ap.add_argument("--skip-sequential", action="store_true", help="skip the one-episode-at-a-time run")
     ap.add_argument("--json", default=None, help="output JSON (default benchmarks/results/rollout_<model>.json)")
+    ap.add_argument("--backends", default=None, help="compare generation backends, e.g. hf,vllm (see docstring)")
+    ap.add_argument("--rounds", type=int, default=2, help="--backends: interleaved rounds")
+    ap.add_argument("--bfcl-tasks", type=int, default=8, help="--backends: BFCL multi-turn episodes")
+    ap.add_argument("--bfcl-turns", type=int, default=1, help="--backends: BFCL policy turns per user turn")
+    ap.add_argument("--update-episodes", type=int, default=1, help="--backends: episodes the update is timed on")
+    ap.add_argument("--kv-cache-gib", type=int, default=4, help="--backends: VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument("--enforce-eager", action="store_true", help="--backends: vLLM without torch.compile")
     args = ap.parse_args(argv)
+    if args.backends:
+        if args.tasks == 8:
+            args.tasks = 16
+        return backends_main(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)

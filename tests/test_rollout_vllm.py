@@ -51,12 +51,15 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def vllm_backend(tiny):
-    from fastrehearse.rollout.vllm_backend import VLLMBackend
+    """The process's shared instance (what RolloutEngine(config.backend="vllm") and the eval CLI
+    find for this model object), started once for the module."""
+    from fastrehearse.rollout.vllm_backend import close_shared, shared_backend
     model, tok, _ = tiny
-    served = copy.deepcopy(model)     # the weight-sync test updates it
-    b = VLLMBackend(served, tok, max_episode_tokens=1024, options=VLLMOptions(kv_cache_gib=1, enforce_eager=True))
+    served = copy.deepcopy(model)     # the weight-sync test updates it (and restores it)
+    b = shared_backend(served, tok, RolloutConfig(max_episode_tokens=1024,
+                                                  vllm=VLLMOptions(kv_cache_gib=1, enforce_eager=True)))
     yield b
-    b.close()
+    close_shared()
 
 
 def _hf_greedy(model, prompt, n):
@@ -176,3 +179,29 @@ def test_kv_cache_too_small_is_refused_before_start(tiny):
         RolloutConfig(backend="vllm", vllm=VLLMOptions(kv_cache_gib=0)).validate()
     with pytest.raises(ValueError, match="logits_processor"):
         RolloutEngine(model, tok, RolloutConfig(backend="vllm"), logits_processor=lambda *a: a[-1])
+
+
+def test_eval_cli_backends_agree_per_item(tiny, vllm_backend, tmp_path):
+    """`fastrehearse eval --backend hf|vllm`, greedy, the same model: the same per-item scores and
+    generated-token counts; results.json records backend, backend_startup_s and rollout_s."""
+    from fastrehearse.eval import cli
+    _, tok, _ = tiny
+    served = vllm_backend.model_ref
+    res = {}
+    for backend in ("hf", "vllm"):
+        args = cli.build_parser().parse_args([
+            "--suite", "builtin", "--policy", "tiny-llama", "--limit", "3", "--max-new-tokens", "16",
+            "--max-turns", "2", "--max-episode-tokens", "1024", "--quiet", "--backend", backend,
+            "--out", str(tmp_path / backend)])
+        res[backend] = cli.run(args, loaded=(served, tok))
+        assert res[backend]["backend"] == backend and res[backend]["rollout_s"] > 0
+    assert res["hf"]["backend_startup_s"] == 0.0
+    assert res["vllm"]["backend_startup_s"] == round(vllm_backend.startup_s, 2)   # the shared instance
+    items = {b: sorted((r["id"], r["score"], r["gen_tokens"], r["steps"])
+                       for r in _items(tmp_path / b)) for b in res}
+    assert items["hf"] == items["vllm"] and len(items["hf"]) == 3
+
+
+def _items(out):
+    import json
+    return [json.loads(line) for line in (out / "items.jsonl").read_text().splitlines() if line.strip()]

@@ -26,6 +26,7 @@ from fastrehearse.eval.rehearsal import DEFAULT_PREFIX_CACHE_BYTES
 from fastrehearse.eval.rehearsal import FORMS as REHEARSAL_FORMS, MODES as REHEARSAL_MODES
 from fastrehearse.eval.results import ResultStore, per_category
 from fastrehearse.eval.runner import EVAL_ROLLOUT, EvalSettings, evaluate_items, fidelity_pending
+from fastrehearse.rollout.vllm_options import BACKENDS
 from fastrehearse.rollout.engine import CUT_OUTCOMES, MALFORMED_OUTCOMES
 
 
@@ -82,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefix KV cache shared by the private rehearsals, so a turn's drafts prefill "
                         "the context once and the next turn only its new tokens (0 = off: re-prefill)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", choices=BACKENDS, default=EVAL_ROLLOUT.backend,
+                   help="generation backend: hf (transformers, the engine's sampler) or vllm (one vLLM "
+                        "instance; rehearsal drafts share it). results.json records backend, "
+                        "backend_startup_s and rollout_s")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--time-limit-s", type=float, default=None,
@@ -127,7 +132,7 @@ def load(args: argparse.Namespace, loaded=None):
             model, tok, args.rehearsal_budget, form=args.rehearsal_commit, mode=args.rehearsal_mode,
             horizon=args.rehearsal_horizon, temperature=args.rehearsal_temperature,
             max_new_tokens=args.max_new_tokens, max_episode_tokens=args.max_episode_tokens,
-            prefix_cache_bytes=int(args.rehearsal_cache_gib * 2**30))
+            prefix_cache_bytes=int(args.rehearsal_cache_gib * 2**30), backend=args.backend)
     from fastrehearse.rollout.policy import ModelPolicy
     return model, tok, ModelPolicy()
 
@@ -139,7 +144,7 @@ def settings(args: argparse.Namespace, drift: DriftSpec | None) -> EvalSettings:
         max_turns=args.max_turns or EVAL_ROLLOUT.max_turns, max_new_tokens=args.max_new_tokens,
         on_max_new_tokens=args.on_max_new_tokens, on_malformed=args.on_malformed,
         max_episode_tokens=args.max_episode_tokens, temperature=args.temperature,
-        max_batch_size=args.batch_size, seed=args.seed,
+        max_batch_size=args.batch_size, seed=args.seed, backend=args.backend,
         fidelity=args.policy != "gold" and (args.measure_fidelity or drift is not None))
 
 
@@ -235,6 +240,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("--rehearsal-cache-gib must be finite (0 = off), got inf")
     if args.time_limit_s is not None and not args.time_limit_s > 0:
         raise UsageError(f"--time-limit-s must be > 0, got {args.time_limit_s}")
+    if args.backend == "vllm" and args.policy != "gold":   # gold forces every turn: nothing to serve
+        from fastrehearse.rollout.vllm_backend import VLLMUnavailable, require_vllm
+        try:
+            require_vllm()
+        except VLLMUnavailable as e:
+            raise UsageError(f"--backend vllm: {e}") from None
 
 
 def run(args: argparse.Namespace, loaded=None) -> dict[str, Any]:
@@ -287,11 +298,17 @@ def run(args: argparse.Namespace, loaded=None) -> dict[str, Any]:
                 seen[1] += r.score
                 bar.set_postfix(acc=f"{seen[1] / seen[0]:.2f}")
 
+        startup = _start_backend(model, tok, s)
+        t1 = time.perf_counter()
         evaluate_items(sr.items, make_env, model, tok, policy, store, s, max_turns_for=sr.max_turns_for,
                        deadline=None if args.time_limit_s is None else t0 + args.time_limit_s,
                        on_item=on_item)
         bar.close()
+        rollout_s = time.perf_counter() - t1
     res = summarize(args, store, keys, time.perf_counter() - t0, drift)
+    res["backend"] = args.backend
+    if todo or fid_todo:   # this invocation's: vLLM start-up apart from the items' rollouts
+        res["backend_startup_s"], res["rollout_s"] = round(startup, 2), round(rollout_s, 2)
     prev = store.dir / "results.json"
     try:   # wall time summed over every invocation that ran items of this directory
         old = json.loads(prev.read_text()) if prev.exists() else {}
@@ -306,6 +323,19 @@ def run(args: argparse.Namespace, loaded=None) -> dict[str, Any]:
         print(report.results_markdown(res))
         print(f"wrote {store.dir / 'results.json'}  ({len(sr.items) - todo} items resumed, {todo} run)")
     return res
+
+
+def _start_backend(model, tok, s: EvalSettings) -> float:
+    """--backend vllm: start the process's vLLM instance before the items (its start-up is reported
+    apart from the rollouts); 0 for hf and for gold (nothing sampled)."""
+    if s.rollout.backend != "vllm" or model is None:
+        return 0.0
+    from fastrehearse.eval.runner import eval_engine
+    from fastrehearse.rollout.vllm_backend import VLLMStartError
+    try:
+        return eval_engine(model, tok, s).backend.startup_s
+    except VLLMStartError as e:
+        raise UsageError(f"--backend vllm: {e}") from None
 
 
 if __name__ == "__main__":

@@ -72,7 +72,8 @@ class RehearsalPolicy:
     def __init__(self, model, tokenizer, budget: int, *, form: str = "memory", mode: str = "parallel",
                  horizon: int = 1, temperature: float = 0.7, max_new_tokens: int = 256,
                  max_episode_tokens: int | None = None, assess_tokens: int = 48, memory_chars: int = 240,
-                 base=None, draft=None, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES):
+                 base=None, draft=None, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+                 backend: str = "hf"):
         if budget < 0:
             raise ValueError(f"rehearsal budget must be >= 0, got {budget}")
         if mode not in MODES:
@@ -91,7 +92,10 @@ class RehearsalPolicy:
             raise ValueError(f"rehearsal prefix_cache_bytes must be an int >= 0, got {prefix_cache_bytes!r}")
         # One store for all private engines; assessments (prompts that end in a private question,
         # never extended later) read it but do not fill it.
-        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes and model is not None else None
+        # backend="vllm": the private engines share the process's one vLLM instance, whose prefix
+        # cache replaces this one (fastrehearse/rollout/vllm_backend.py).
+        self.prefix_cache = (PrefixCache(prefix_cache_bytes) if prefix_cache_bytes and model is not None
+                             and backend == "hf" else None)
         ctx = max_episode_tokens or int(getattr(getattr(model, "config", None), "max_position_embeddings",
                                                 None) or 8192)
 
@@ -100,7 +104,7 @@ class RehearsalPolicy:
         def engine(temp: float, turns: int, new_tokens: int, writes: bool = True) -> RolloutEngine:
             e = RolloutEngine(model, tokenizer, RolloutConfig(
                 mode="rehearse", temperature=temp, max_new_tokens=new_tokens, max_turns=turns,
-                max_episode_tokens=ctx, malformed_reward=None))
+                max_episode_tokens=ctx, malformed_reward=None, backend=backend))
             if self.prefix_cache is not None:
                 e.backend_factory = self.backend_factory(e, writes=writes)
             return e

