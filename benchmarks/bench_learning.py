@@ -73,10 +73,11 @@ V2_SETS = ["optim.min_lr_ratio=1.0"]
 DRIFT = "rename,errors,units,formats"
 WINDOW = (0.25, 0.60)   # the warm-up's answer-checked success the pilot must find
 CLI = str(Path(sys.executable).parent / "fastrehearse")   # the console script of this venv
-# Per-unit costs, seconds at 1 torch thread on the shared 2-core box (measured 2026-12-05, see
-# docs/learning.md "Cost"): GRPO step of 3 tasks x 4 samples, SFT step of 4 gold trajectories, eval
-# episode, teacher-forced log-prob item, process start with the model load.
-COST_S = {"rl_step": 80.0, "sft_traj": 11.0, "eval_item": 3.0, "tf_item": 1.3, "tf_rehearsal": 2.5,
+# Per-unit costs, seconds at 1 torch thread, two runs side by side on the shared 2-core box with
+# the other agents' jobs (load average ~5; measured 2026-12-04, docs/learning.md "Cost"): GRPO step
+# of 3 tasks x 4 samples, SFT per gold trajectory, eval episode, teacher-forced log-prob item and
+# rehearsal item, process start with the model load. A quiet box is ~2x faster.
+COST_S = {"rl_step": 180.0, "sft_traj": 11.0, "eval_item": 7.0, "tf_item": 1.5, "tf_rehearsal": 8.0,
           "start": 40.0}
 
 
@@ -222,9 +223,9 @@ def estimate_s(a, cfg) -> dict:
             + rl * (c["start"] + a.steps * c["rl_step"]) + sft * (c["start"] + a.steps * per_step * c["sft_traj"])
             + n_ckpt * evals)
     return {"core_s": core, "wall_s": core / min(a.jobs, 2), "per_unit_s": dict(c), "checkpoints": n_ckpt,
-            "how": "per-unit costs measured on the shared 2-core box at 1 thread (COST_S in this file; the "
-                   "drift eval counts twice: its fidelity pass); wall = core seconds / min(jobs, 2) if the "
-                   "two cores were ours"}
+            "how": "per-unit costs measured on the loaded shared 2-core box, 1 thread, 2 runs side by side "
+                   "(COST_S in this file; the drift eval counts twice: its fidelity pass); wall = core "
+                   "seconds / min(jobs, 2)"}
 
 
 def shell(cmd: list[str], threads: int) -> str:
