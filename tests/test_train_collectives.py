@@ -3,9 +3,6 @@ torchrun with the compute device simulated as an accelerator (tests/_placement.p
 collectives: no host tensor reaches a collective, and with a 1-rank group every collective still
 runs (as on one GPU). Fails on the trainer before issue 24 (host counters; collectives skipped at
 world size 1)."""
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _placement import ACCEL, HOST, SimulatedAccelerator  # noqa: E402
+from _torchrun import torchrun  # noqa: E402
 
 from fastrehearse.train.parallelize import (  # noqa: E402
     CollectiveDeviceError,
@@ -22,22 +20,10 @@ from fastrehearse.train.parallelize import (  # noqa: E402
     sum_over_ranks,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = str(ROOT / "tests" / "_collectives_worker.py")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _run(nproc: int, tmp_path: Path) -> dict:
     out = tmp_path / f"w{nproc}.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-           f"--master_port={_port()}", WORKER, str(out), str(tmp_path / f"run{nproc}")]
-    p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}, capture_output=True,
-                       text=True, timeout=900)
+    p = torchrun(nproc, "_collectives_worker.py", out, tmp_path / f"run{nproc}")
     assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
     return torch.load(out)
 

@@ -2,9 +2,6 @@
 reads only its rows of each tensor from the safetensors files; the reference and the generation copy
 come from the policy's shards. What it trains on must be exactly what from_pretrained loads --
 tied embeddings one parameter, biases, norms, RoPE buffers -- at 1 rank (a group of one) and 2."""
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,14 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from fastrehearse.model.loader import build_tiny_model, load_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = str(ROOT / "tests" / "_sharded_load_worker.py")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _torchrun import torchrun  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -39,10 +30,7 @@ def hf_dir(request, tmp_path_factory):
 
 def _run(nproc, spec, ac, tmp_path) -> dict:
     out = tmp_path / f"load{nproc}{ac}.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={_port()}", WORKER, str(out), str(spec), ac]
-    p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                       text=True, timeout=600)
+    p = torchrun(nproc, "_sharded_load_worker.py", out, spec, ac, timeout=600)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     return torch.load(out)
 
@@ -79,8 +67,5 @@ def test_checkpoint_missing_a_tensor_is_named(hf_dir, tmp_path):
     sd = load_file(str(next(d.glob("*.safetensors"))))
     sd.pop("model.norm.weight")
     save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    out = tmp_path / "x.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_port()}",
-           WORKER, str(out), str(bad), "false"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    p = torchrun(1, "_sharded_load_worker.py", tmp_path / "x.pt", bad, "false", timeout=600)
     assert p.returncode != 0 and "'model.norm.weight' is not in the checkpoint" in p.stdout + p.stderr
