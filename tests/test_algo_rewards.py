@@ -1,7 +1,7 @@
 """Reward modes per role (fastrehearse/algo/rewards.py, envs/builtin/scoring.py): hand-built
 episodes pin `real`, `consistent` and `calls`, the world-model reward and the hybrid ACT strata;
-one engine run checks that the pairing of calls, rehearsed responses and fidelity entries holds on
-the engine's own trajectories."""
+one run of the trainer's `rollout()` (real engine, tiny model forced through a rehearsed world)
+checks that calls, rehearsed responses and fidelity entries pair up on the engine's own output."""
 from __future__ import annotations
 
 import json
@@ -247,32 +247,6 @@ def test_assign_rewards_tags_hybrid_strata_only_in_hybrid():
         assert ("stratum" in e.metadata) == want
 
 
-def test_engine_rollout_rehearsed_world_consistent_reward(llama):
-    """Through the real engine (tiny model forced by ScriptedTurns): the gold call, a rehearsed
-    response with a wrong balance, an answer stating it. consistent 1, real 0; the world reward's
-    grounded term is the engine's measured F1."""
-    from fastrehearse.rollout.engine import RolloutConfig, RolloutEngine
-    from fastrehearse.rollout.template import assistant_text
-    from fastrehearse.rollout.testing import ScriptedTurns
-    model, tok, tmpl = llama
-    task = _easy("get_balance")
-    aid = task.payload["required_calls"][0]["arguments"]["account_id"]
-    acts = [assistant_text(task.gold[0]), "The balance is 1234.56 USD."]
-    tools = [json.dumps({"account_id": aid, "balance": 1234.56, "currency": "USD"}, separators=(",", ":"))]
-    eng = RolloutEngine(model, tok, RolloutConfig(mode="rehearse", measure_fidelity=True, max_new_tokens=80,
-                                                  max_episode_tokens=2048, max_turns=3),
-                        template=tmpl, logits_processor=ScriptedTurns(tmpl, acts, tools))
-    res = eng.rollout([task], EASY, group_size=2, seed=0)
-    cfg = WorldRewardConfig(mode="world", grounded_weight=1.0)
-    assign_rewards(res.episodes, res.trajectories, [task], EASY, task_reward="consistent", world=cfg)
-    for ep in res.episodes:
-        assert ep.metadata["stop_reason"] == "final_answer", ep.metadata
-        assert ep.reward == 1.0 and ep.metadata["reward_real"] == 0.0
-        g = ep.metadata["fidelity"][0]["field_f1"]
-        assert 0 < g < 1                                   # account_id and currency right, balance wrong
-        assert ep.role_rewards[int(Role.REHEARSE)] == pytest.approx((1.0 + g) / 2)
-
-
 @pytest.fixture(scope="module")
 def llama():
     from fastrehearse.model.loader import load_model
@@ -299,14 +273,16 @@ def test_trainer_rollout_assigns_the_configured_rewards(llama, monkeypatch):
     monkeypatch.setattr(rollouts, "RolloutEngine", functools.partial(
         rollouts.RolloutEngine, template=tmpl, logits_processor=ScriptedTurns(tmpl, acts, tools)))
     cfg = load_config("configs/learning_tiny.yaml", ["env.reward=consistent", "algo.world_reward.mode=world",
-                                                     "rollout.max_new_tokens=80"])
+                                                     "algo.world_reward.grounded_weight=1", "rollout.max_new_tokens=80"])
     run = types.SimpleNamespace(cfg=cfg, gen_model=model, tokenizer=tok, suite=EASY, logger=None)
-    eps, metrics, failures = rollouts.rollout(run, [task], mode="rehearse", temperature=1.0, seed=0, group_size=2,
+    eps, metrics, failures = rollouts.rollout(run, [task], mode="rehearse", temperature=1.0, seed=0, group_size=1,
                                               measure_fidelity=True)
-    assert failures == 0 and len(eps) == 2
+    assert failures == 0 and len(eps) == 1 and eps[0].metadata["stop_reason"] == "final_answer"
     slim = [rollouts.slim_episode(e) for e in eps]
     for e in slim:
-        assert e.reward == 1.0 and e.metadata["reward_real"] == 0.0
-        assert e.role_rewards[int(Role.REHEARSE)] == e.metadata["world_reward"]["reward"] > 0.5
+        assert e.reward == 1.0 and e.metadata["reward_real"] == 0.0     # faithful to its world, wrong in the real one
+        g = e.metadata["fidelity"][0]["field_f1"]
+        assert 0 < g < 1                                   # account_id and currency right, balance wrong
+        assert e.role_rewards[int(Role.REHEARSE)] == e.metadata["world_reward"]["reward"] == pytest.approx((1 + g) / 2)
     row = rollouts.rollout_row(slim, [metrics], 1.0)
-    assert row["reward"] == 1.0 and row["reward_real"] == 0.0 and 0.5 < row["world_reward"] <= 1.0
+    assert row["reward"] == 1.0 and row["reward_real"] == 0.0 and row["world_grounded"] == pytest.approx(g)
