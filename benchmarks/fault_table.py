@@ -162,6 +162,31 @@ CONFIG_CASES = [
      ["nothing would be generated or trained"], "at start, after the model loads"),
 ]
 
+# `fastrehearse train --dry-run`: the GPU preset planned on the fake process group (no GPU, no weights).
+PRESET = "configs/qwen3_8b_bfcl_multi_turn.yaml"
+DRY_RUN_CASES = [
+    ("`--dry-run --world-size 1` for a 2-node preset", ["--world-size", "1"],
+     ["does not fit 80 GiB per GPU at world size 1", "largest:"]),
+    ("`--dry-run --world-size 3` (does not divide the model)", ["--world-size", "3"],
+     ["does not divide dimension 0 (151936)"]),
+    ("`--dry-run` without `--world-size`", [], ["--dry-run needs --world-size"]),
+]
+
+
+def dry_run_case(args, needles, tmp):
+    d = tmp / "dry"
+    p = cli_inproc(["train", "--config", PRESET, "--set", f"run_dir={d}", *(["--dry-run"] + list(args))])
+    line = refused(p, *needles)
+    expect(not d.exists(), "unexpected: run_dir written")
+    return f"`{short(line, 230)}`", "nothing written", "refused (exit 2)"
+
+
+def case_world_size_without_dry_run(tmp):
+    p = train(tmp / "run", args=["--world-size", "16"], inproc=True)
+    line = refused(p, "--world-size only goes with --dry-run")
+    expect(not (tmp / "run").exists(), "unexpected: run_dir written")
+    return f"`{short(line)}`", "nothing written", "refused (exit 2)"
+
 
 def case_model_dirs(tmp):
     import torch
@@ -468,6 +493,9 @@ def run_all(only: str | None) -> list[Row]:
         add("config", "bad model directories", case_model_dirs, sub("dirs"))
         add("config", "binary file as `--config`", case_binary_config, sub("bin"))
         add("config", "`device=cuda` without CUDA", case_cuda, sub("cuda"))
+        for i, (fault, args, needles) in enumerate(DRY_RUN_CASES):
+            add("dry run", fault, dry_run_case, args, needles, sub(f"d{i}"))
+        add("dry run", "`--world-size 16` without `--dry-run`", case_world_size_without_dry_run, sub("ws"))
         base = base_run(tmp)
         add("run_dir", "training into a finished run's run_dir without `--resume`", case_reuse, base, tmp)
         add("run_dir", "same, with `--overwrite`", case_overwrite, base, tmp)
