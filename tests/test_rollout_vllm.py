@@ -205,3 +205,30 @@ def test_eval_cli_backends_agree_per_item(tiny, vllm_backend, tmp_path):
 def _items(out):
     import json
     return [json.loads(line) for line in (out / "items.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_engine_death_mid_rollout_is_one_line(tiny, vllm_backend):
+    """The vLLM engine process killed while segments are in flight: the next step raises
+    BackendDied (one line), every later use too; the trainer turns it into a one-line
+    TrainingError (train/rollouts.py) and keeps its last checkpoint. Runs last: it kills the
+    module's instance."""
+    import os
+    import signal
+    from collections import Counter
+    from fastrehearse.rollout.vllm_backend import BackendDied
+    _, tok, tmpl = tiny
+    prompt = tmpl.render_prompt([{"role": "user", "content": "Add 2 and 3."}]).input_ids
+    s = vllm_backend.session(Sampling(temperature=1.0), Counter())
+    s.add([SegmentRequest(k, prompt, [0] * len(prompt), Role.ACT, 200, (), frozenset()) for k in range(4)])
+    for p in vllm_backend.engine.engine_core.resources.engine_manager.processes:
+        os.kill(p.pid, signal.SIGKILL)
+    with pytest.raises(BackendDied) as e:
+        for _ in range(1000):
+            s.step()
+    assert "died" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(BackendDied):
+        vllm_backend.session(Sampling(), Counter())
+    cfg = RolloutConfig(backend="vllm", temperature=0.0, max_new_tokens=8, max_episode_tokens=1024)
+    with pytest.raises(BackendDied):
+        RolloutEngine(vllm_backend.model_ref, tok, cfg, template=tmpl, backend=vllm_backend).rollout(
+            calc_tasks(1), CalcEnv, seed=0)

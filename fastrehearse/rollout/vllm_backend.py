@@ -196,6 +196,7 @@ class VLLMBackend:
         """One engine step; finished requests go to their sessions' inboxes."""
         from vllm.v1.engine.exceptions import EngineDeadError
         self._check_alive()
+        self._wait_for_output()
         try:
             outs = self.engine.step()
         except EngineDeadError as e:
@@ -207,6 +208,21 @@ class VLLMBackend:
                 s = self._owner.pop(o.request_id, None)
                 if s is not None:
                     s._deliver(o)
+
+    def _wait_for_output(self) -> None:
+        """vllm 0.32's client blocks forever in get_output when the engine process is killed (its
+        monitor marks the engine dead but nothing reaches the output queue): wait here instead,
+        watching that mark."""
+        core = self.engine.engine_core
+        q, res = getattr(core, "outputs_queue", None), getattr(core, "resources", None)
+        if q is None or res is None:      # an in-process engine: step() cannot block on a dead peer
+            return
+        while q.empty():
+            if res.engine_dead:
+                self.dead = ("the vLLM engine process died mid-rollout (exited unexpectedly); this process "
+                             "cannot generate any more")
+                raise BackendDied(self.dead)
+            time.sleep(0.0005)
 
     # -- weights -------------------------------------------------------------------------------
     def sync_weights(self, model=None) -> float:
