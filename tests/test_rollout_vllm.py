@@ -207,6 +207,33 @@ def _items(out):
     return [json.loads(line) for line in (out / "items.jsonl").read_text().splitlines() if line.strip()]
 
 
+def test_training_on_vllm_syncs_weights_and_logs_tis(tmp_path):
+    """`fastrehearse train` with rollout.backend=vllm (its own process and vLLM instance): SFT steps
+    then RL steps; every step records weight_sync_s, RL steps the truncated-IS ratio, which stays 1
+    to ~1e-6 after the SFT updates -- vLLM sampled from the trainer's current weights."""
+    import json
+    import os
+    import subprocess
+    import sys
+    run = tmp_path / "run"
+    p = subprocess.run(
+        [sys.executable, "-m", "fastrehearse.cli", "train", "--config", "configs/smoke.yaml",
+         "--set", f"run_dir={run}", "--set", "rollout.backend=vllm", "--set", "model.options.hidden_size=128",
+         "--set", "model.options.num_heads=2", "--set", "model.options.num_kv_heads=1",
+         "--set", "rollout.vllm.enforce_eager=true", "--set", "rollout.vllm.kv_cache_gib=1",
+         "--set", "checkpoint.export=false", "--set", "algo.loss.entropy_coef=0", "--set", "eval.num_tasks=0",
+         "--set", "steps=2"],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True, text=True,
+        timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "stage" in r]
+    assert [r["stage"] for r in steps] == ["sft", "sft", "rl", "rl"]
+    assert all(r["weight_sync_s"] > 0 for r in steps)
+    for r in steps[2:]:
+        assert abs(r["tis_ratio_mean"] - 1) < 1e-3 and r["tis_ratio_max"] < 1.01
+
+
 def test_engine_death_mid_rollout_is_one_line(tiny, vllm_backend):
     """The vLLM engine process killed while segments are in flight: the next step raises
     BackendDied (one line), every later use too; the trainer turns it into a one-line
