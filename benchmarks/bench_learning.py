@@ -69,7 +69,11 @@ DEFAULT_SEEDS = {"R": 4, "Ca": 4, "Cc": 3, "H": 3, "S": 2}
 # Every run, warm-up included: hold out `accounts` (EASY answers there are copies of a response
 # field, so 0% would say something about unseen tools) and a constant lr (v1's SFT-only had constant
 # 1e-4, RL a cosine from 5e-5: two changes at once).
-V2_SETS = ["optim.min_lr_ratio=1.0"]
+# rollback_nonfinite off: its copy of parameters + Adam moments is ~1.6 GB per run, and two runs
+# beside the other agents' jobs ran the 24 GiB box out of memory (the kernel killed two runs). The
+# update is the same unless a step is non-finite, which then stops the run with an error instead.
+V2_SETS = ["optim.min_lr_ratio=1.0", "optim.rollback_nonfinite=false"]
+KILLED_RETRIES = 3      # a command killed by a signal (the OOM killer) is resumed up to this often
 DRIFT = "rename,errors,units,formats"
 WINDOW = (0.25, 0.60)   # the warm-up's answer-checked success the pilot must find
 CLI = str(Path(sys.executable).parent / "fastrehearse")   # the console script of this venv
@@ -234,14 +238,23 @@ def shell(cmd: list[str], threads: int) -> str:
 
 
 # ---- running ---------------------------------------------------------------------------------
-def _run(cmd: list[str], log: Path, threads: int) -> int:
+def _run(cmd: list[str], log: Path, threads: int, resume: list[str] | None = None) -> int:
+    """Run `cmd` (logging to `log`); when a signal kills it (rc < 0: the OOM killer on a shared box)
+    run it again, with `resume` appended when given, up to KILLED_RETRIES times."""
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "TOKENIZERS_PARALLELISM": "false"}
-    with open(log, "a") as f:
-        f.write(f"\n$ {shell(cmd, threads)}\n")
-        f.flush()
-        return subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    for attempt in range(KILLED_RETRIES + 1):
+        with open(log, "a") as f:
+            f.write(f"\n$ {shell(cmd, threads)}\n")
+            f.flush()
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+            if rc >= 0 or attempt == KILLED_RETRIES:
+                return rc
+            f.write(f"\n[bench_learning] killed by signal {-rc}; running it again ({attempt + 1}/{KILLED_RETRIES})\n")
+        if resume and resume[0] not in cmd:
+            cmd = cmd + resume
+    return rc
 
 
 def _finished(run_dir: Path, total_steps: int) -> bool:
@@ -327,7 +340,7 @@ def train_then_eval(a, job: dict, failures: list) -> None:
     if not _finished(d, total):
         started = any((d / n).exists() for n in ("config.yaml", "metrics.jsonl", "checkpoints"))
         cmd = job["train"] + (["--resume"] if started else [])
-        rc = _run(cmd, log, a.threads)
+        rc = _run(cmd, log, a.threads, resume=["--resume"])
         if rc != 0 or not _finished(d, total):
             failures.append({"command": shell(cmd, a.threads), "rc": rc, "log": str(log)})
             return

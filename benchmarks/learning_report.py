@@ -140,9 +140,11 @@ def curves(run_dir: Path) -> dict:
     keys = ("reward", "reward_real", "world_reward", "world_format", "world_grounded", "fidelity",
             "zero_signal_groups", "real_stratum_frac", "loss", "episodes")
     out = {"step": [], "stage": [], **{k: [] for k in keys}}
+    rows: dict[int, dict] = {}
     for r in _items(run_dir / "metrics.jsonl"):
-        if "step" not in r:
-            continue
+        if "step" in r:       # a run resumed from an earlier checkpoint rewrites later steps: last wins
+            rows[r["step"]] = r
+    for r in (rows[s] for s in sorted(rows)):
         out["step"].append(r["step"])
         out["stage"].append(r.get("stage"))
         for k in keys:
