@@ -192,6 +192,19 @@ class VLLMBackend:
         if self.dead:
             raise BackendDied(self.dead)
 
+    def _died(self) -> BackendDied:
+        self.dead = ("the vLLM engine process died mid-rollout (EngineDeadError); this process cannot "
+                     "generate any more")
+        return BackendDied(self.dead)
+
+    def _add(self, rid: str, prompt: dict, sp) -> None:
+        from vllm.v1.engine.exceptions import EngineDeadError
+        self._check_alive()
+        try:
+            self.engine.add_request(rid, prompt, sp)
+        except EngineDeadError:
+            raise self._died() from None
+
     def _step(self) -> None:
         """One engine step; finished requests go to their sessions' inboxes."""
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -199,10 +212,8 @@ class VLLMBackend:
         self._wait_for_output()
         try:
             outs = self.engine.step()
-        except EngineDeadError as e:
-            self.dead = (f"the vLLM engine process died mid-rollout ({type(e).__name__}); this process "
-                         "cannot generate any more")
-            raise BackendDied(self.dead) from None
+        except EngineDeadError:
+            raise self._died() from None
         for o in outs:
             if o.finished:
                 s = self._owner.pop(o.request_id, None)
@@ -219,9 +230,7 @@ class VLLMBackend:
             return
         while q.empty():
             if res.engine_dead:
-                self.dead = ("the vLLM engine process died mid-rollout (exited unexpectedly); this process "
-                             "cannot generate any more")
-                raise BackendDied(self.dead)
+                raise self._died()
             time.sleep(0.0005)
 
     # -- weights -------------------------------------------------------------------------------
@@ -235,8 +244,12 @@ class VLLMBackend:
         t0 = time.perf_counter()
         model = model if model is not None else self.model_ref
         _write_weights(model, self.dir)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.dir)})
-        self.llm.reset_prefix_cache()
+        from vllm.v1.engine.exceptions import EngineDeadError
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.dir)})
+            self.llm.reset_prefix_cache()
+        except EngineDeadError:
+            raise self._died() from None
         self.weight_syncs += 1
         return time.perf_counter() - t0
 
@@ -279,7 +292,7 @@ class VLLMSession:
                 stop=list(req.stop_strings), stop_token_ids=sorted(req.stop_ids), logprobs=0,
                 skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY,
                 seed=_seed(req.seed, len(req.tokens)) if self.sampling.temperature > 0 and b.cuda else None)
-            b.engine.add_request(rid, {"prompt_token_ids": list(req.tokens)}, sp)
+            b._add(rid, {"prompt_token_ids": list(req.tokens)}, sp)
             b._owner[rid] = self
             self.live[rid] = (req.key, req.stop_strings, req.stop_ids)
             self.stats["prefill_tokens"] += len(req.tokens)
@@ -318,7 +331,10 @@ class VLLMSession:
             self.live.pop(rid, None)
             self.b._owner.pop(rid, None)
         if not self.b.dead:
-            self.b.engine.abort_request(rids)
+            try:
+                self.b.engine.abort_request(rids)
+            except Exception:   # a dead engine has nothing left to abort
+                pass
 
     def close(self) -> None:
         self._abort(list(self.live))
