@@ -301,7 +301,7 @@ def _cell(s: dict, kind: str) -> str:
 
 def _ci(c: dict, kind: str) -> str:
     if c.get("missing"):
-        return "missing"
+        return "missing | - | - | -"
     f = (lambda x: f"{100 * x:+.1f}") if kind == "rate" else (lambda x: f"{x:+.2f}")
     w, b = c["welch"], c["bootstrap"]
     wt = f"[{f(w['lo'])}, {f(w['hi'])}]" if w["lo"] is not None else "n/a (< 2 seeds)"
@@ -312,6 +312,9 @@ def _ci(c: dict, kind: str) -> str:
 
 def write_md(res: dict, path: Path) -> None:
     p = res["plan"]
+    if p.get("drift") is None:     # --no-drift: not run, so no column (never a row of "missing")
+        res = {**res, "metrics": {k: v for k, v in res["metrics"].items() if k != "answer_drift"},
+               "contrasts": {k: [c for c in v if c["metric"] != "answer_drift"] for k, v in res["contrasts"].items()}}
     tiny = " (TINY random model: pipeline check, not a result)" if res["tiny"] else ""
     lines = [f"# Learning experiment v2{tiny}", "", f"{res['what']}.", "",
              f"Hardware: {res['hardware']['cpu']} ({res['hardware']['cpu_cores']} cores, shared), torch "
