@@ -79,3 +79,13 @@ def _dims(c):
     h, i, v, kv = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
     layer = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i), (h, 1), (h, 1)]
     return [(v, h)] + layer * c.num_hidden_layers + [(h, 1)]
+
+
+def test_vllm_backend_is_planned_at_its_memory_share():
+    cfg = load_config(CONFIGS / "smoke.yaml", ["rollout.tasks_per_step=4", "rollout.backend=vllm",
+                                               "algo.tis_cap=null", "rollout.vllm.gpu_memory_utilization=0.3"])
+    p = plan(cfg, 4, 80)
+    names = {i.name: i for i in p.items}
+    assert names["vLLM (weights + KV cache)"].bytes == int(0.3 * 80 * GIB)
+    assert "generation copy (staging for the vLLM weight sync)" in names      # what the code builds today
+    assert not any("KV cache, every row" in n for n in names) and p.total("rollout") == 0

@@ -244,12 +244,16 @@ def plan(cfg: TrainConfig, world: int, gpu_memory_gib: float, arch: str | None =
     backend = getattr(cfg.rollout, "backend", "hf")
     kv_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * _head_dim(hf_config) * 2
     rows = min(cfg.rollout.max_batch_size, math.ceil(cfg.rollout.tasks_per_step / world) * cfg.rollout.group_size)
+    gen_bytes = 2 if cfg.model.precision != "fp32" else 4
     if backend == "vllm":
         frac = cfg.rollout.vllm.gpu_memory_utilization
         add(Item("resident", "vLLM (weights + KV cache)", int(frac * gpu_memory_gib * GIB),
                  f"rollout.vllm.gpu_memory_utilization={frac} of {gpu_memory_gib:g} GiB, held through the update"))
+        # train/model_init.build_generation_model: the vLLM weight sync writes the served file from
+        # this copy (the in-process CUDA load from the shards in docs/training.md is not built)
+        add(Item("resident", "generation copy (staging for the vLLM weight sync)", n_params * gen_bytes,
+                 "whole model per rank, as the code builds it today"))
     else:
-        gen_bytes = 2 if cfg.model.precision != "fp32" else 4
         add(Item("resident", "generation copy (whole model)", n_params * gen_bytes,
                  "HF rollout backend: every rank decodes with the whole model"))
         add(Item("rollout", "KV cache, every row at max_episode_tokens", rows * cfg.rollout.max_episode_tokens * kv_token,
