@@ -176,6 +176,7 @@ def _update_seconds(model, episodes):
     from fastrehearse.train.heads import rl_head
     m = copy.deepcopy(model)
     use_varlen_attention(m)
+    m.gradient_checkpointing_enable()   # 7.5k-token BFCL episodes: activations would not fit beside the rest
     m.train()
     wrapped = RehearsalModel(m)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-6)
@@ -210,8 +211,11 @@ def backends_main(args):
                           RolloutConfig(mode="rehearse", temperature=1.0, max_new_tokens=96, max_turns=3,
                                         max_episode_tokens=2048, max_batch_size=64)),
         "bfcl_multi_turn": (get_suite("bfcl"), dict(split="multi_turn_base", limit=args.bfcl_tasks),
+                            # 2 rows at a time: HF's batched prefill of 8 x 7.4k-token prompts needs
+                            # ~16 GB of attention scores (it was OOM-killed on the 24 GB box)
                             RolloutConfig(mode="real", temperature=1.0, max_new_tokens=96,
-                                          max_turns=args.bfcl_turns, max_episode_tokens=8192, max_batch_size=64)),
+                                          max_turns=args.bfcl_turns, max_episode_tokens=8192,
+                                          max_batch_size=args.bfcl_batch)),
     }
     backends, startup = {}, {}
     t0 = time.perf_counter()
@@ -229,6 +233,11 @@ def backends_main(args):
                         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
            "torch": torch.__version__, "vllm_enforce_eager": args.enforce_eager, "workloads": {}}
     last = {}
+    path = Path(args.json) if args.json else RESULTS / f"rollout_backends_{'cuda' if torch.cuda.is_available() else 'cpu'}.json"
+
+    def save():   # after every run: a killed benchmark keeps what it measured
+        path.write_text(json.dumps(out, indent=2, default=str))
+
     for wname, (suite, tk, cfg) in workloads.items():
         tasks = suite.tasks(tk["split"], limit=tk["limit"])
         runs = {n: [] for n in names}
@@ -237,8 +246,11 @@ def backends_main(args):
                 rec, res = _backend_run(model, tok, tmpl, suite, tasks, cfg, backends[n], seed=r)
                 runs[n].append(rec)
                 last[(wname, n)] = res
+                rec["loadavg_1m"] = os.getloadavg()[0]     # the box is shared: how busy it was
                 print(f"{wname} round {r} {n}: {rec['rollout_s']:.1f} s, {rec['tokens']} tokens, "
-                      f"{rec['tokens_per_s']:.1f} tok/s", flush=True)
+                      f"{rec['tokens_per_s']:.1f} tok/s (load {rec['loadavg_1m']:.1f})", flush=True)
+                out["workloads"][wname] = {"partial": True, "runs": runs}
+                save()
         recs = []
         for n in names:
             rs = runs[n]
@@ -261,6 +273,8 @@ def backends_main(args):
                                          "engine_tokens_per_s": eng, "ratio": round(eng / raw["tokens_per_s"], 3)}
         # RL step on BFCL multi-turn: rollout (median) + weight sync + update (same for both)
         syncs = [b.sync_weights(model) for _ in range(2)]
+        out["weight_sync_s"] = syncs
+        save()
         eps = last[("bfcl_multi_turn", names[0])].episodes[:args.update_episodes]
         upd = _update_seconds(model, eps)
         n_eps = out["workloads"]["bfcl_multi_turn"]["tasks"]
@@ -273,14 +287,15 @@ def backends_main(args):
                                     "step_s": round(rec["rollout_s"] + sync + upd_all, 2)}
         out["rl_step_bfcl_multi_turn"] = {
             **step, "update_note": f"update measured on {len(eps)} of the {n_eps} episodes (packed, fused RL "
-                                   f"head, backward, AdamW) and scaled by {n_eps}/{len(eps)}; same for both backends",
+                                   f"head, activation checkpointing, backward, AdamW) and scaled by {n_eps}/{len(eps)}; "
+                                   f"the same for both backends",
             "speedup": round(step["hf"]["step_s"] / step["vllm"]["step_s"], 3) if "hf" in step else None}
         b.close()
+        save()
     out["note"] = ("same tasks, seeds and sampling settings (T=1, top_p=1) for both backends, rounds interleaved; "
                    "tokens = tokens the model sampled (episodes differ in content between backends: tokens/s "
                    "normalizes); start-up reported separately; the 2-core box is shared with other jobs.")
-    path = Path(args.json) if args.json else RESULTS / f"rollout_backends_{'cuda' if torch.cuda.is_available() else 'cpu'}.json"
-    path.write_text(json.dumps(out, indent=2, default=str))
+    save()
     print(f"\n{'workload':<18} {'backend':<6} {'start s':>8} {'rollout s':>10} {'tokens':>7} {'tok/s':>8}")
     for wname, w in out["workloads"].items():
         for r in w["records"]:
@@ -309,7 +324,8 @@ def main(argv=None):
     ap.add_argument("--bfcl-tasks", type=int, default=8, help="--backends: BFCL multi-turn episodes")
     ap.add_argument("--bfcl-turns", type=int, default=1, help="--backends: BFCL policy turns per user turn")
     ap.add_argument("--update-episodes", type=int, default=1, help="--backends: episodes the update is timed on")
-    ap.add_argument("--kv-cache-gib", type=int, default=4, help="--backends: VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument("--kv-cache-gib", type=int, default=2, help="--backends: VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument("--bfcl-batch", type=int, default=2, help="--backends: BFCL episodes decoded together")
     ap.add_argument("--enforce-eager", action="store_true", help="--backends: vLLM without torch.compile")
     args = ap.parse_args(argv)
     if args.backends:
