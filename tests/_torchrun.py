@@ -15,9 +15,10 @@ def free_port() -> int:
 
 
 def torchrun(nproc: int, script: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node=nproc script args...` from the repository root, one OpenMP thread
-    per rank, Python tracebacks on a crash (faulthandler)."""
+    """`torchrun --nproc_per_node=nproc script args...` from the repository root (`script`: a file in
+    tests/, or "-m module"), one OpenMP thread per rank, Python tracebacks on a crash."""
+    target = script.split() if script.startswith("-m ") else [str(ROOT / "tests" / script)]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-           f"--master_port={free_port()}", str(ROOT / "tests" / script), *map(str, args)]
+           f"--master_port={free_port()}", *target, *map(str, args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -69,3 +69,20 @@ def test_checkpoint_missing_a_tensor_is_named(hf_dir, tmp_path):
     save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
     p = torchrun(1, "_sharded_load_worker.py", tmp_path / "x.pt", bad, "false", timeout=600)
     assert p.returncode != 0 and "'model.norm.weight' is not in the checkpoint" in p.stdout + p.stderr
+
+
+def test_sharded_training_run_exports_and_resumes(tmp_path):
+    """`torchrun --nproc_per_node=2 -m fastrehearse.train` end to end on the meta-built, sharded
+    model: SFT + RL steps, checkpoints, an HF export that from_pretrained loads, then --resume."""
+    rd = tmp_path / "run"
+    sets = ["--set", f"run_dir={rd}", "--set", "eval.num_tasks=2", "--set", "log.progress=false",
+            "--set", "sft.steps=1", "--set", "steps=2"]
+    p = torchrun(2, "-m fastrehearse.train", "--config", "configs/smoke.yaml", *sets)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert "world 2 (gloo" in p.stdout
+    model = AutoModelForCausalLM.from_pretrained(rd / "export")
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight   # still tied
+    p = torchrun(2, "-m fastrehearse.train", "--config", "configs/smoke.yaml", *sets[:-2], "--set", "steps=3",
+                 "--resume")
+    assert p.returncode == 0 and "resumed from" in p.stdout and "(step 3)" in p.stdout, (p.stdout + p.stderr)[-3000:]
+    assert (rd / "checkpoints" / "step_00000004").is_dir()
