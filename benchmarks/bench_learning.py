@@ -333,7 +333,8 @@ def _tf_complete(path: Path, fp: dict, n: int, n_rehearsal: int) -> bool:
     except (OSError, ValueError):
         return False
     return r.get("checkpoint") == fp and len(r.get("logprob_items", [])) == n and \
-        len(r.get("rehearsal_items", [])) == n_rehearsal
+        len(r.get("rehearsal_items", [])) == n_rehearsal and \
+        all("value_logprob" in x for x in r["logprob_items"])   # files from before that field: redo
 
 
 def train_then_eval(a, job: dict, failures: list) -> None:

@@ -12,6 +12,8 @@ Per checkpoint, per item (item ids are the same for every checkpoint, so contras
   answer_drift    answer-checked success under API drift (rename, errors, units, formats)
   tf_answer       log-prob (nats) of the gold final answer given the real responses (256 items)
   tf_answer_heldout  the same on the held-out family
+  tf_value / tf_value_heldout  the same over the tokens that spell the answer's value only (the
+                  answer's log-prob also pays for the gold phrasing, which RL moves away from)
   reh_schema / reh_echo / reh_hidden / reh_f1   teacher-forced rehearsal of the first gold call:
                   key paths, echoed arguments, hidden values, field F1 (seen families)
   reh_hidden_heldout  hidden values on the held-out family
@@ -34,6 +36,8 @@ METRICS = {   # key -> (label, kind): kind "rate" in [0, 1] shown in %, "nats" a
     "answer_drift": ("answer-checked under API drift", "rate"),
     "tf_answer": ("teacher-forced log p(gold answer), nats", "nats"),
     "tf_answer_heldout": ("teacher-forced log p(gold answer), held-out family", "nats"),
+    "tf_value": ("teacher-forced log p(answer value tokens), nats", "nats"),
+    "tf_value_heldout": ("teacher-forced log p(answer value tokens), held-out family", "nats"),
     "reh_schema": ("rehearsal: schema (key paths)", "rate"),
     "reh_echo": ("rehearsal: echoed arguments", "rate"),
     "reh_hidden": ("rehearsal: hidden values", "rate"),
@@ -44,7 +48,8 @@ PRIMARY = [("Ca", "Cc", "answer_seen"), ("Ca", "R", "answer_seen")]
 SECONDARY = [("Ca", "Cc", "reh_schema"), ("Ca", "Cc", "reh_hidden"), ("H", "Ca", "reh_hidden"),
              ("H", "Ca", "answer_seen"), ("R", "S", "answer_seen"), ("Ca", "S", "answer_seen"),
              ("Ca", "Cc", "call_heldout"), ("Ca", "Cc", "answer_heldout"), ("Ca", "Cc", "tf_answer"),
-             ("Ca", "R", "tf_answer"), ("Ca", "Cc", "answer_drift")]
+             ("Ca", "R", "tf_answer"), ("Ca", "Cc", "tf_value"), ("Ca", "R", "tf_value"),
+             ("Ca", "Cc", "answer_drift")]
 
 
 # ---- reading one checkpoint --------------------------------------------------------------------
@@ -124,6 +129,8 @@ def read_checkpoint(a, cfg, run_dir: Path, cats: dict) -> tuple[dict, list[str]]
             missing.append(f"{run_dir}/{name}: {len(tf['logprob_items'])} / {len(tf['rehearsal_items'])} items")
             continue
         out[f"tf_answer{suffix}"] = {r["id"]: r["answer_logprob"] for r in tf["logprob_items"]}
+        out[f"tf_value{suffix}"] = {r["id"]: r["value_logprob"] for r in tf["logprob_items"]
+                                    if r.get("value_logprob") is not None}
         for r in tf["rehearsal_items"]:
             if suffix:
                 if r.get("hidden") is not None:

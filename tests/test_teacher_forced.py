@@ -93,3 +93,22 @@ def test_cli_writes_items_and_refuses_bad_input(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(["--model", "tiny-llama", "--out", str(tmp_path / "x.json"), *bad])
     assert not (tmp_path / "x.json").exists()
+
+
+def test_value_tokens_are_the_answer_value_only(tiny):
+    model, tok = tiny
+    from fastrehearse.eval.teacher_forced import _render_gold, value_span
+    tmpl = ChatTemplate(tok)
+    seen = set()
+    for task in SUITE.tasks("test", 12):
+        seq, answer, _, _, value = _render_gold(tmpl, SUITE, task)
+        (s, e), = value
+        assert answer[-1][0] <= s < e <= answer[-1][1]
+        text, spec = tok.decode(seq[s:e]).strip(), task.payload["answer"]
+        want = spec["value"] if spec["kind"] != "number" else None
+        assert (want is None and abs(float(text.replace(",", "")) - spec["value"]) <= 0.01) or text.lower() == want.lower()
+        seen.add(spec["kind"])
+    assert seen == {"number", "token", "choice"}
+    row = gold_logprobs(model, tok, SUITE, SUITE.tasks("test", 1))[0]
+    assert row["value_tokens"] > 0 and row["value_logprob"] < 0
+    assert value_span(tok, [1, 2], (0, 2), None) == []

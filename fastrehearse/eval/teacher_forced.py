@@ -8,7 +8,10 @@ A success rate on 64 items moves in steps of 1.6 points and its seed-to-seed spr
                                and run through the model once; we sum log p(token | prefix) over the
                                final answer's tokens ("can the policy state what the real tool said")
                                and over the tool responses' tokens ("how likely is the real response
-                               to the world model"), per item and per token.
+                               to the world model"), per item and per token. The answer's log-prob
+                               also rewards the gold *phrasing*, which RL moves away from while
+                               staying right, so `value_logprob` sums only the tokens that spell the
+                               answer's value (the balance, the count, the status) in the gold answer.
   rehearsal fidelity split     the gold first call is forced (GoldPolicy), the model writes the tool
                                response greedily (rehearse mode, one turn), and the response is
                                compared with the real one for that call in three parts:
@@ -42,9 +45,36 @@ from fastrehearse.kernels.roles import Role
 
 
 # ---- teacher-forced log-probs -----------------------------------------------------------------
-def _render_gold(tmpl, suite: Suite, task: Task) -> tuple[list[int], list, list, tuple]:
-    """Token ids, final-answer spans, tool-response spans ((start, end) token ranges), and a key of
-    the prompt's tools."""
+def value_span(tokenizer, ids: list[int], span: tuple[int, int], spec: dict | None) -> list[tuple[int, int]]:
+    """The tokens of the answer span that spell the answer's value (builtin answer spec: the number
+    within its tolerance, the id / time, the status or location), as [(start, end)]; [] when the
+    spec is unknown or the value is not written in the gold answer."""
+    import re
+
+    from fastrehearse.envs.builtin.scoring import _NUM
+    if not spec or "kind" not in spec:
+        return []
+    s, e = span
+    text = tokenizer.decode(ids[s:e])
+    kind, value = spec["kind"], spec["value"]
+    if kind == "number":
+        tol = max(spec.get("abs_tol", 0.0), spec.get("rel_tol", 0.0) * abs(value)) + 1e-9
+        m = next((m for m in _NUM.finditer(text) if abs(float(m.group().replace(",", "")) - value) <= tol), None)
+    elif kind == "token":
+        m = re.search(rf"(?<![\w:]){re.escape(value)}(?![\w:])", text, re.IGNORECASE)
+    else:
+        m = re.search(rf"\b{re.escape(value)}\b", text, re.IGNORECASE)
+    if m is None:
+        return []
+    ends = [len(tokenizer.decode(ids[s:t + 1])) for t in range(s, e)]     # char end of each token
+    starts = [0] + ends[:-1]
+    toks = [s + i for i, (a, b) in enumerate(zip(starts, ends)) if a < m.end() and b > m.start()]
+    return [(toks[0], toks[-1] + 1)] if toks else []
+
+
+def _render_gold(tmpl, suite: Suite, task: Task) -> tuple[list[int], list, list, tuple, list]:
+    """Token ids, final-answer spans, tool-response spans ((start, end) token ranges), a key of the
+    prompt's tools, and the answer's value tokens (`value_span`)."""
     if not task.gold or task.gold[-1].get("role") != "assistant" or task.gold[-1].get("tool_calls"):
         raise ValueError(f"task {task.id!r}: its gold trajectory does not end with a final answer")
     env = suite.make_env()
@@ -58,7 +88,9 @@ def _render_gold(tmpl, suite: Suite, task: Task) -> tuple[list[int], list, list,
     responses = [(s, e) for s, e, role, mi in r.spans if role == int(Role.OBSERVED)]
     if not answer:
         raise ValueError(f"task {task.id!r}: the rendered gold has no final-answer tokens")
-    return r.input_ids, answer, responses, tuple(json.dumps(t, sort_keys=True) for t in reset.tools)
+    value = value_span(tmpl.tokenizer, r.input_ids, answer[-1], task.payload.get("answer")
+                       if isinstance(task.payload, dict) else None)
+    return r.input_ids, answer, responses, tuple(json.dumps(t, sort_keys=True) for t in reset.tools), value
 
 
 def gold_logprobs(model, tokenizer, suite: Suite, tasks: Sequence[Task], *, template=None,
@@ -101,11 +133,12 @@ def gold_logprobs(model, tokenizer, suite: Suite, tasks: Sequence[Task], *, temp
                     kw = {"past_key_values": c, "use_cache": True}
                 logits = model(input_ids=ids, **kw).logits.float()
                 for row, i in enumerate(part):
-                    seq, answer, responses, _ = items[i]
-
+                    seq, answer, responses, _, value = items[i]
                     a, na = _span_logprob(logits[row], seq, answer, n)
                     o, no = _span_logprob(logits[row], seq, responses, n)
+                    v, nv = _span_logprob(logits[row], seq, value, n)
                     rows[i] = {"id": tasks[i].id, "answer_logprob": a, "answer_tokens": na,
+                               "value_logprob": v if nv else None, "value_tokens": nv,
                                "response_logprob": o, "response_tokens": no}
     return rows
 
@@ -215,6 +248,9 @@ def summarize(lp_rows: list[dict], fid_rows: list[dict]) -> dict:
         out["answer_logprob"] = mean([r["answer_logprob"] for r in lp_rows])          # nats per answer
         out["answer_logprob_per_token"] = sum(r["answer_logprob"] for r in lp_rows) / max(
             1, sum(r["answer_tokens"] for r in lp_rows))
+        # the tokens that spell the value only: the answer's phrasing does not enter
+        out["value_logprob"] = mean([r.get("value_logprob") for r in lp_rows])
+        out["value_found"] = sum(r.get("value_logprob") is not None for r in lp_rows) / len(lp_rows)
         out["response_logprob_per_token"] = sum(r["response_logprob"] for r in lp_rows) / max(
             1, sum(r["response_tokens"] for r in lp_rows))
     for k in ("schema", "echo", "hidden", "field_f1"):
