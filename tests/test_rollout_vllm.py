@@ -259,3 +259,62 @@ def test_engine_death_mid_rollout_is_one_line(tiny, vllm_backend):
     with pytest.raises(BackendDied):
         RolloutEngine(vllm_backend.model_ref, tok, cfg, template=tmpl, backend=vllm_backend).rollout(
             calc_tasks(1), CalcEnv, seed=0)
+
+
+OWNER_SCRIPT = """
+import json, sys, time
+from fastrehearse.model import load_model
+from fastrehearse.model.loader import TinyModelOptions
+from fastrehearse.rollout.engine import VLLMOptions
+from fastrehearse.rollout.vllm_backend import VLLMBackend
+if __name__ == "__main__":    # vLLM starts its engine with spawn: the main module is re-imported
+    model, tok = load_model("tiny-llama", options=TinyModelOptions(hidden_size=128, num_heads=2, num_kv_heads=1))
+    b = VLLMBackend(model, tok, max_episode_tokens=256, options=VLLMOptions(kv_cache_gib=1, enforce_eager=True))
+    print("OWNER", json.dumps({"engine": b.engine_pids, "dir": str(b.dir), "watchdog": b.watchdog.proc.pid}),
+          flush=True)
+    time.sleep(600)
+"""
+
+
+def test_owner_killed_leaves_no_engine(tmp_path):
+    """The process owning a vLLM instance SIGKILLed (as by the OOM killer; no code of it runs): its
+    watchdog (rollout/vllm_watchdog.py) stops the engine processes (VLLM::EngineCore and its
+    workers), which vLLM leaves running otherwise, and removes the served-weights folder."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import psutil
+    script = tmp_path / "owner.py"
+    script.write_text(OWNER_SCRIPT)
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    tree = []
+    try:
+        line = next(x for x in p.stdout if x.startswith("OWNER ") or p.poll() is not None)  # vLLM logs on stdout
+        info = json.loads(line.split(" ", 1)[1])
+        assert info["engine"], "the start-up created no engine process"
+        tree = [x.pid for e in info["engine"] for x in [psutil.Process(e), *psutil.Process(e).children(recursive=True)]]
+        assert os.path.isdir(info["dir"])
+        time.sleep(1)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            left = [x for x in tree + [info["watchdog"]]
+                    if psutil.pid_exists(x) and psutil.Process(x).status() != psutil.STATUS_ZOMBIE]
+            if not left and not os.path.exists(info["dir"]):
+                break
+            time.sleep(0.2)
+        assert not left, f"engine processes left after the owner died: {left}"
+        assert not os.path.exists(info["dir"])
+    finally:
+        p.kill()
+        for x in tree:
+            try:
+                os.kill(x, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass

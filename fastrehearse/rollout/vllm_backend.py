@@ -35,6 +35,8 @@ import itertools
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -86,6 +88,44 @@ def _export_dir() -> Path:
     d = Path(tempfile.mkdtemp(prefix="fastrehearse-vllm-", dir=base))
     atexit.register(shutil.rmtree, d, ignore_errors=True)
     return d
+
+
+WATCHDOG = Path(__file__).with_name("vllm_watchdog.py")
+
+
+class _Watchdog:
+    """The owner's side of vllm_watchdog.py: kills this instance's engine processes and removes its
+    export folder when this process dies without closing it (SIGKILL, the OOM killer)."""
+
+    def __init__(self, export_dir: Path):
+        import psutil   # a vLLM dependency
+        self.me = psutil.Process()
+        self.before = {c.pid for c in self.me.children()}
+        self.proc = subprocess.Popen([sys.executable, "-I", str(WATCHDOG), str(os.getpid()), str(export_dir),
+                                      *map(str, sorted(self.before))],
+                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
+
+    def engine_started(self) -> list[int]:
+        """Tell the watchdog the engine's processes: the children the start-up created."""
+        pids = sorted(c.pid for c in self.me.children() if c.pid not in self.before and c.pid != self.proc.pid)
+        self._send(f"engine {' '.join(map(str, pids))}")
+        return pids
+
+    def stop(self) -> None:
+        """Clean up what is left (after a graceful shutdown: nothing, or a straggler), then exit."""
+        self._send("stop")
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+
+    def _send(self, line: str) -> None:
+        try:
+            self.proc.stdin.write(line.encode() + b"\n")
+            self.proc.stdin.flush()
+        except (OSError, ValueError):   # the watchdog is gone (killed by hand) or already stopped
+            pass
 
 
 def _state_dict(model) -> dict[str, torch.Tensor]:
@@ -156,7 +196,7 @@ class VLLMBackend:
         self.tokenizer = tokenizer
         self.stops = stops or StopMatcher(tokenizer, window)
         self.dir = _export_dir()
-        _export(model, tokenizer, self.dir)
+        self.watchdog = _Watchdog(self.dir)   # before anything is written or started
         self.model_ref = model
         if not self.cuda:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(opts.kv_cache_gib)
@@ -164,19 +204,25 @@ class VLLMBackend:
                 os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(opts.reserved_cpus)
         from vllm import LLM
         dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-        t0 = time.perf_counter()
         try:
+            _export(model, tokenizer, self.dir)
+            t0 = time.perf_counter()
             self.llm = LLM(model=str(self.dir), dtype=dtype, max_model_len=self.max_model_len,
                            enable_prefix_caching=True, enforce_eager=opts.enforce_eager, seed=0,
                            logprobs_mode="processed_logprobs", disable_log_stats=True,
                            **({"gpu_memory_utilization": opts.gpu_memory_utilization} if self.cuda else {}))
-        except ValueError as e:   # vLLM's own KV-cache check (CUDA: after profiling)
+        except BaseException as e:
+            self.watchdog.stop()              # whatever the failed start-up left running, and the folder
+            if not isinstance(e, ValueError):
+                raise
+            # vLLM's own KV-cache check (CUDA: after profiling)
             if "KV cache" in str(e) or "kv cache" in str(e).lower():
                 raise VLLMStartError(f"vLLM could not size its KV cache for {self.max_model_len} tokens "
                                      f"(rollout.vllm.gpu_memory_utilization / VLLM_CPU_KVCACHE_SPACE): "
                                      f"{str(e).splitlines()[0]}") from None
             raise
         self.startup_s = time.perf_counter() - t0
+        self.engine_pids = self.watchdog.engine_started()
         self.engine = self.llm.llm_engine
         self._owner: dict[str, "VLLMSession"] = {}
         self._ids = itertools.count()
@@ -267,6 +313,7 @@ class VLLMBackend:
             self.engine.engine_core.shutdown()
         except Exception:   # already gone (a dead engine): nothing left to stop
             pass
+        self.watchdog.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -345,7 +392,7 @@ def _seed(row_seed: int, length: int) -> int:
     return (row_seed * 1_000_003 + length * 7_919) % (2**31 - 1)
 
 
-_SHARED: dict[str, VLLMBackend] = {}
+_SHARED: dict = {}   # "llm": the process's VLLMBackend; "atexit": its exit hook is registered
 
 
 def shared_backend(model, tokenizer, config) -> VLLMBackend:
@@ -362,6 +409,9 @@ def shared_backend(model, tokenizer, config) -> VLLMBackend:
         cur.close()
     _SHARED["llm"] = b = VLLMBackend(model, tokenizer, max_episode_tokens=config.max_episode_tokens,
                                      options=config.vllm)
+    if not _SHARED.get("atexit"):   # a script that never closes it (eval CLI, a notebook): closed at exit,
+        _SHARED["atexit"] = True    # before vLLM's own exit hooks (registered earlier, so run later)
+        atexit.register(close_shared)
     return b
 
 

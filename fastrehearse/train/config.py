@@ -30,6 +30,7 @@ from fastrehearse.kernels import PolicyLossConfig
 from fastrehearse.model.loader import TinyModelOptions
 from fastrehearse.rollout.engine import MODES as ROLLOUT_MODES
 from fastrehearse.rollout.engine import RolloutConfig as EngineRolloutConfig
+from fastrehearse.rollout.vllm_backend import VLLMUnavailable, require_vllm
 
 PRECISIONS = ("auto", "fp32", "bf16")
 
@@ -501,11 +502,21 @@ def check_device(cfg: TrainConfig) -> None:
                               "(torch.cuda.is_available() is False); use device=auto or device=cpu")
 
 
+def check_rollout_backend(cfg: TrainConfig) -> None:
+    """rollout.backend=vllm without vLLM installed (ROLLOUT, issue 28): refused before the model loads."""
+    if cfg.rollout.backend == "vllm":
+        try:
+            require_vllm()
+        except VLLMUnavailable as e:
+            raise ConfigError(f"config key 'rollout.backend' = 'vllm': {e}") from None
+
+
 def preflight(cfg: TrainConfig) -> None:
     """Every check that needs no weights: model files, suite and its options, device."""
     check_model_path(cfg)
     check_env(cfg)
     check_device(cfg)
+    check_rollout_backend(cfg)
 
 
 def _get(cfg, dotted: str):

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from fastrehearse.algo import AdvantageConfig, compute_advantages
+from fastrehearse.rollout.vllm_backend import close_shared
 
 from .build import Run, TrainState, apply_optim_settings, setup
 from .checkpoint import Checkpointer
@@ -74,6 +75,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
         ok = True
         return summary
     finally:
+        close_shared()   # the vLLM instance, if any: its engine processes stop before this returns
         _restore_sigterm(previous)
         destroy_distributed(sync=ok)
 
