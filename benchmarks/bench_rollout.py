@@ -134,17 +134,53 @@ def median_run(repeats, **kw):
     return out
 
 
+class _TimedBackend:
+    """Wraps a segment backend and adds up the seconds spent inside its sessions' add / step (the
+    serving engine's own work: scheduling, prefill, decode); the rest of a rollout's wall time is the
+    engine's (rows, stop matching, forced tokens, tool execution). Where the engine's cost goes."""
+
+    def __init__(self, backend):
+        self.b, self.name, self.add_s, self.step_s = backend, backend.name, 0.0, 0.0
+
+    def session(self, sampling, stats):
+        s, outer = self.b.session(sampling, stats), self
+
+        class Timed:
+            def add(self, reqs):
+                t0 = time.perf_counter()
+                s.add(reqs)
+                outer.add_s += time.perf_counter() - t0
+
+            def step(self):
+                t0 = time.perf_counter()
+                out = s.step()
+                outer.step_s += time.perf_counter() - t0
+                return out
+
+            def drop(self, keys):
+                s.drop(keys)
+
+            def close(self):
+                s.close()
+        return Timed()
+
+
 def _backend_run(model, tok, tmpl, suite, tasks, cfg, backend, seed):
-    eng = RolloutEngine(model, tok, cfg, template=tmpl, backend=backend)
+    timed = _TimedBackend(backend) if backend is not None else None
+    eng = RolloutEngine(model, tok, cfg, template=tmpl, backend=timed)
     t0 = time.perf_counter()
     res = eng.rollout(tasks, suite, group_size=1, seed=seed)
     dt = time.perf_counter() - t0
     m = res.metrics
-    return {"rollout_s": dt, "tokens": m["decode_tokens"], "tokens_per_s": m["decode_tokens"] / dt,
-            "prefill_tokens": m["prefill_tokens"], "prefill_reused_tokens": m["prefill_reused_tokens"],
-            "segments": m["segments"], "episodes": len(res.episodes),
-            "episode_tokens": sum(len(e.input_ids) for e in res.episodes),
-            "stop_reasons": m["stop_reasons"]}, res
+    rec = {"rollout_s": dt, "tokens": m["decode_tokens"], "tokens_per_s": m["decode_tokens"] / dt,
+           "prefill_tokens": m["prefill_tokens"], "prefill_reused_tokens": m["prefill_reused_tokens"],
+           "segments": m["segments"], "episodes": len(res.episodes),
+           "episode_tokens": sum(len(e.input_ids) for e in res.episodes),
+           "stop_reasons": m["stop_reasons"]}
+    if timed is not None:
+        rec.update(backend_add_s=round(timed.add_s, 3), backend_step_s=round(timed.step_s, 3),
+                   engine_own_s=round(dt - timed.add_s - timed.step_s, 3))
+    return rec, res
 
 
 def _raw_generate(llm, episodes, rounds=1):
@@ -163,7 +199,9 @@ def _raw_generate(llm, episodes, rounds=1):
                        use_tqdm=False)
     dt = time.perf_counter() - t0
     n = sum(len(o.outputs[0].token_ids) for o in out)
-    return {"rollout_s": dt, "tokens": n, "tokens_per_s": n / dt}
+    return {"rollout_s": dt, "tokens": n, "tokens_per_s": n / dt, "requests": len(prompts),
+            "prompt_tokens": sum(len(p["prompt_token_ids"]) for p in prompts),
+            "prefill_reused_tokens": sum(o.num_cached_tokens or 0 for o in out)}
 
 
 def _update_seconds(model, episodes):
@@ -228,85 +266,110 @@ def backends_main(args):
                                                            enforce_eager=args.enforce_eager))
         startup["vllm"] = time.perf_counter() - t0
         print(f"vllm start-up {startup['vllm']:.1f} s", flush=True)
-    out = {"benchmark": "rollout_backends", "model": args.model, "rounds": args.rounds,
-           "hardware": {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
-           "torch": torch.__version__, "vllm_enforce_eager": args.enforce_eager, "workloads": {}}
-    last = {}
-    path = Path(args.json) if args.json else RESULTS / f"rollout_backends_{'cuda' if torch.cuda.is_available() else 'cpu'}.json"
+    try:   # vLLM stopped on every exit path (its EngineCore holds GBs)
+        out = {"benchmark": "rollout_backends", "model": args.model, "rounds": args.rounds,
+               "hardware": {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+               "torch": torch.__version__, "vllm_enforce_eager": args.enforce_eager, "workloads": {}}
+        last = {}
+        path = Path(args.json) if args.json else RESULTS / f"rollout_backends_{'cuda' if torch.cuda.is_available() else 'cpu'}.json"
 
-    def save():   # after every run: a killed benchmark keeps what it measured
-        path.write_text(json.dumps(out, indent=2, default=str))
+        def save():   # after every run: a killed benchmark keeps what it measured
+            path.write_text(json.dumps(out, indent=2, default=str))
 
-    for wname, (suite, tk, cfg) in workloads.items():
-        tasks = suite.tasks(tk["split"], limit=tk["limit"])
-        runs = {n: [] for n in names}
-        for r in range(args.rounds):                 # interleaved: hf, vllm / vllm, hf / ...
-            for n in (names if r % 2 == 0 else names[::-1]):
-                rec, res = _backend_run(model, tok, tmpl, suite, tasks, cfg, backends[n], seed=r)
-                runs[n].append(rec)
-                last[(wname, n)] = res
-                rec["loadavg_1m"] = os.getloadavg()[0]     # the box is shared: how busy it was
-                print(f"{wname} round {r} {n}: {rec['rollout_s']:.1f} s, {rec['tokens']} tokens, "
-                      f"{rec['tokens_per_s']:.1f} tok/s (load {rec['loadavg_1m']:.1f})", flush=True)
-                out["workloads"][wname] = {"partial": True, "runs": runs}
-                save()
-        recs = []
+        # untimed warm-up, one builtin episode per backend: the first requests pay one-time costs
+        # (vLLM's first forwards, kernel set-up; HF's allocator) that a single timed round would count
+        suite, tk, cfg = workloads["builtin_mixed"]
         for n in names:
-            rs = runs[n]
-            med = statistics.median(x["rollout_s"] for x in rs)
-            tps = statistics.median(x["tokens_per_s"] for x in rs)
-            recs.append({"backend": n, "startup_s": round(startup[n], 2), "rollout_s": round(med, 2),
-                         "tokens": rs[-1]["tokens"], "tokens_per_s": round(tps, 2),
-                         "episodes": rs[-1]["episodes"], "rounds": rs})
-        w = {"tasks": len(tasks), "config": {k: getattr(cfg, k) for k in ("mode", "temperature", "max_new_tokens",
-                                                                          "max_turns", "max_episode_tokens")},
-             "records": recs}
-        if len(names) == 2:
-            w["ratio_tokens_per_s"] = round(recs[1]["tokens_per_s"] / recs[0]["tokens_per_s"], 3)
-        out["workloads"][wname] = w
-    if "vllm" in names:
-        b = backends["vllm"]
-        raw = _raw_generate(b.llm, last[("builtin_mixed", "vllm")].episodes)
-        eng = statistics.median(x["tokens_per_s"] for x in out["workloads"]["builtin_mixed"]["records"][-1]["rounds"])
-        out["engine_vs_raw_generate"] = {"workload": "builtin_mixed", "raw_generate": raw,
-                                         "engine_tokens_per_s": eng, "ratio": round(eng / raw["tokens_per_s"], 3)}
-        # RL step on BFCL multi-turn: rollout (median) + weight sync + update (same for both)
-        syncs = [b.sync_weights(model) for _ in range(2)]
-        out["weight_sync_s"] = syncs
+            _backend_run(model, tok, tmpl, suite, suite.tasks(tk["split"], limit=1), cfg, backends[n], seed=99)
+        out["warmup"] = "one untimed builtin episode per backend before the timed rounds"
+        for wname, (suite, tk, cfg) in workloads.items():
+            tasks = suite.tasks(tk["split"], limit=tk["limit"])
+            runs = {n: [] for n in names}
+            for r in range(args.rounds):                 # interleaved: hf, vllm / vllm, hf / ...
+                for n in (names if r % 2 == 0 else names[::-1]):
+                    rec, res = _backend_run(model, tok, tmpl, suite, tasks, cfg, backends[n], seed=r)
+                    runs[n].append(rec)
+                    last[(wname, n)] = res
+                    rec["loadavg_1m"] = os.getloadavg()[0]     # the box is shared: how busy it was
+                    print(f"{wname} round {r} {n}: {rec['rollout_s']:.1f} s, {rec['tokens']} tokens, "
+                          f"{rec['tokens_per_s']:.1f} tok/s (load {rec['loadavg_1m']:.1f})", flush=True)
+                    out["workloads"][wname] = {"partial": True, "runs": runs}
+                    save()
+            recs = []
+            for n in names:
+                rs = runs[n]
+                med = statistics.median(x["rollout_s"] for x in rs)
+                tps = statistics.median(x["tokens_per_s"] for x in rs)
+                recs.append({"backend": n, "startup_s": round(startup[n], 2), "rollout_s": round(med, 2),
+                             "tokens": rs[-1]["tokens"], "tokens_per_s": round(tps, 2),
+                             "episodes": rs[-1]["episodes"], "rounds": rs})
+            w = {"tasks": len(tasks), "config": {k: getattr(cfg, k) for k in ("mode", "temperature", "max_new_tokens",
+                                                                              "max_turns", "max_episode_tokens")},
+                 "records": recs}
+            if len(names) == 2:
+                w["ratio_tokens_per_s"] = round(recs[1]["tokens_per_s"] / recs[0]["tokens_per_s"], 3)
+            out["workloads"][wname] = w
+        if "vllm" in names:
+            b = backends["vllm"]
+            raw = _raw_generate(b.llm, last[("builtin_mixed", "vllm")].episodes)
+            raw["loadavg_1m"] = os.getloadavg()[0]
+            vr = next(r for r in out["workloads"]["builtin_mixed"]["records"] if r["backend"] == "vllm")
+            eng = statistics.median(x["tokens_per_s"] for x in vr["rounds"])
+            er = vr["rounds"][-1]   # the round whose episodes' prompts and lengths the raw run replays
+            out["engine_vs_raw_generate"] = {
+                "workload": "builtin_mixed", "raw_generate": raw, "engine_tokens_per_s": eng,
+                "ratio": round(eng / raw["tokens_per_s"], 3),
+                "engine_breakdown_last_round": {
+                    k: er.get(k) for k in ("rollout_s", "backend_add_s", "backend_step_s", "engine_own_s",
+                                           "segments", "prefill_tokens", "prefill_reused_tokens")},
+                "breakdown_note": "backend_add_s / backend_step_s: seconds inside vLLM's add_request / step "
+                                  "for the engine's segment requests; engine_own_s: the rest (row state, stop "
+                                  "matching, forced scaffolding, tool execution). Raw LLM.generate: one request "
+                                  "per episode from its initial prompt for as many tokens as the engine sampled "
+                                  "(ignore_eos), so it has no segment boundaries: no re-admitted requests, no "
+                                  "prefill of the forced / tool tokens appended between segments"}
+            # RL step on BFCL multi-turn: rollout (median) + weight sync + update (same for both)
+            syncs = [b.sync_weights(model) for _ in range(2)]
+            out["weight_sync_s"] = syncs
+            save()
+            eps = last[("bfcl_multi_turn", names[0])].episodes[:args.update_episodes]
+            upd = _update_seconds(model, eps)
+            n_eps = out["workloads"]["bfcl_multi_turn"]["tasks"]
+            upd_all = upd * n_eps / len(eps)
+            step = {}
+            for rec in out["workloads"]["bfcl_multi_turn"]["records"]:
+                sync = statistics.median(syncs) if rec["backend"] == "vllm" else 0.0
+                step[rec["backend"]] = {"rollout_s": rec["rollout_s"], "weight_sync_s": round(sync, 2),
+                                        "update_s": round(upd_all, 2),
+                                        "step_s": round(rec["rollout_s"] + sync + upd_all, 2)}
+            out["rl_step_bfcl_multi_turn"] = {
+                **step, "update_note": f"update measured on {len(eps)} of the {n_eps} episodes (packed, fused RL "
+                                       f"head, activation checkpointing, backward, AdamW) and scaled by {n_eps}/{len(eps)}; "
+                                       f"the same for both backends",
+                "speedup": (round(step["hf"]["step_s"] / step["vllm"]["step_s"], 3)
+                            if "hf" in step and "vllm" in step and step["vllm"]["step_s"] > 0 else None)}
+            save()
+        out["note"] = ("same tasks, seeds and sampling settings (T=1, top_p=1) for both backends, rounds interleaved; "
+                       "tokens = tokens the model sampled (episodes differ in content between backends: tokens/s "
+                       "normalizes); start-up reported separately; the 2-core box is shared with other jobs.")
         save()
-        eps = last[("bfcl_multi_turn", names[0])].episodes[:args.update_episodes]
-        upd = _update_seconds(model, eps)
-        n_eps = out["workloads"]["bfcl_multi_turn"]["tasks"]
-        upd_all = upd * n_eps / len(eps)
-        step = {}
-        for rec in out["workloads"]["bfcl_multi_turn"]["records"]:
-            sync = statistics.median(syncs) if rec["backend"] == "vllm" else 0.0
-            step[rec["backend"]] = {"rollout_s": rec["rollout_s"], "weight_sync_s": round(sync, 2),
-                                    "update_s": round(upd_all, 2),
-                                    "step_s": round(rec["rollout_s"] + sync + upd_all, 2)}
-        out["rl_step_bfcl_multi_turn"] = {
-            **step, "update_note": f"update measured on {len(eps)} of the {n_eps} episodes (packed, fused RL "
-                                   f"head, activation checkpointing, backward, AdamW) and scaled by {n_eps}/{len(eps)}; "
-                                   f"the same for both backends",
-            "speedup": round(step["hf"]["step_s"] / step["vllm"]["step_s"], 3) if "hf" in step else None}
-        b.close()
-        save()
-    out["note"] = ("same tasks, seeds and sampling settings (T=1, top_p=1) for both backends, rounds interleaved; "
-                   "tokens = tokens the model sampled (episodes differ in content between backends: tokens/s "
-                   "normalizes); start-up reported separately; the 2-core box is shared with other jobs.")
-    save()
-    print(f"\n{'workload':<18} {'backend':<6} {'start s':>8} {'rollout s':>10} {'tokens':>7} {'tok/s':>8}")
-    for wname, w in out["workloads"].items():
-        for r in w["records"]:
-            print(f"{wname:<18} {r['backend']:<6} {r['startup_s']:>8.1f} {r['rollout_s']:>10.1f} {r['tokens']:>7} "
-                  f"{r['tokens_per_s']:>8.1f}")
-        if "ratio_tokens_per_s" in w:
-            print(f"{wname}: vllm/hf tokens/s {w['ratio_tokens_per_s']:.2f}x")
-    if "engine_vs_raw_generate" in out:
-        print(f"engine on vLLM vs raw LLM.generate: {out['engine_vs_raw_generate']['ratio']:.2f}x")
-        print(f"RL step (BFCL multi-turn): {json.dumps(out['rl_step_bfcl_multi_turn'])}")
-    print(f"wrote {path}")
+        print(f"\n{'workload':<18} {'backend':<6} {'start s':>8} {'rollout s':>10} {'tokens':>7} {'tok/s':>8}")
+        for wname, w in out["workloads"].items():
+            for r in w["records"]:
+                print(f"{wname:<18} {r['backend']:<6} {r['startup_s']:>8.1f} {r['rollout_s']:>10.1f} {r['tokens']:>7} "
+                      f"{r['tokens_per_s']:>8.1f}")
+            if "ratio_tokens_per_s" in w:
+                print(f"{wname}: vllm/hf tokens/s {w['ratio_tokens_per_s']:.2f}x")
+        if "engine_vs_raw_generate" in out:
+            ev = out["engine_vs_raw_generate"]
+            print(f"engine on vLLM vs raw LLM.generate: {ev['ratio']:.2f}x "
+                  f"({json.dumps(ev['engine_breakdown_last_round'])})")
+            print(f"RL step (BFCL multi-turn): {json.dumps(out['rl_step_bfcl_multi_turn'])}")
+        print(f"wrote {path}")
+    finally:
+        if backends.get("vllm") is not None:
+            backends["vllm"].close()
     return out
 
 
