@@ -504,23 +504,23 @@ def _engine_tree(pid):
         return [], []
 
 
-def _wait_rl_steps(proc, d, n, timeout=900):
-    """True once `n` RL rows are on disk while the run is still going (and its vLLM engine up)."""
+def _vllm_run_until(d, n, timeout=900):
+    """A trainer on vLLM (_vllm_run), returned once `n` RL rows are on disk while it is still going
+    (and its vLLM engine up); killed, and the case failed, if it never gets there."""
+    d.parent.mkdir(parents=True, exist_ok=True)
+    proc = _vllm_run(d, 2000)
     t0 = time.time()
     while proc.poll() is None and time.time() - t0 < timeout:
         if sum(r.get("stage") == "rl" for r in rows_of(d)) >= n and _engine_tree(proc.pid)[0]:
-            return True
+            return proc
         time.sleep(0.2)
-    return False
+    proc.kill()
+    expect(False, f"unexpected: the run did not reach {n} RL step(s): {_finish(proc).stderr[-300:]}")
 
 
 def case_vllm_engine_dies(tmp):
     d = tmp / "vllm_dies"
-    d.parent.mkdir(parents=True, exist_ok=True)
-    proc = _vllm_run(d, 2000)
-    if not _wait_rl_steps(proc, d, 2):
-        proc.kill()
-        expect(False, f"unexpected: the run did not reach 2 RL steps: {_finish(proc).stderr[-300:]}")
+    proc = _vllm_run_until(d, 2)
     core, _ = _engine_tree(proc.pid)
     expect(core, "unexpected: no VLLM::EngineCore process under the trainer")
     for c in core:
@@ -550,11 +550,7 @@ def case_vllm_engine_dies(tmp):
 def case_vllm_owner_killed(tmp):
     import psutil
     d = tmp / "vllm_owner"
-    d.parent.mkdir(parents=True, exist_ok=True)
-    proc = _vllm_run(d, 2000)
-    if not _wait_rl_steps(proc, d, 1):
-        proc.kill()
-        expect(False, f"unexpected: the run did not reach an RL step: {_finish(proc).stderr[-300:]}")
+    proc = _vllm_run_until(d, 1)
     _, tree = _engine_tree(proc.pid)
     proc.out.seek(0)     # the trainer's own line: "vLLM rollout backend started in .. s (served from DIR)"
     export = next((ln.split("served from ")[1].rstrip(")") for ln in proc.out.read().splitlines()

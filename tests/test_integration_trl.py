@@ -401,11 +401,8 @@ def test_entropy_metric_off_gives_same_gradients(tmp_path):
     assert not any("entropy" in h for h in fast_b.state.log_history)
 
 
-def test_head_check_in_bfloat16():
-    """bf16 models: the head check neither refuses a correctly described head (Gemma2 softcap)
-    nor accepts an unannounced softcap (a custom forward applying one)."""
-    fr_trl.patch_fused_lm_head(tiny_model("gemma2", head_std=2.0).to(torch.bfloat16))
-    model = tiny_model("llama", head_std=2.0).to(torch.bfloat16)
+def _softcapped_forward(model):
+    """`model` with an unannounced soft-cap in a custom forward: the head check must see it."""
     orig = model.forward
 
     def capped(*a, **k):
@@ -414,6 +411,14 @@ def test_head_check_in_bfloat16():
         return out
 
     model.forward = capped
+    return model
+
+
+def test_head_check_in_bfloat16():
+    """bf16 models: the head check neither refuses a correctly described head (Gemma2 softcap)
+    nor accepts an unannounced softcap (a custom forward applying one)."""
+    fr_trl.patch_fused_lm_head(tiny_model("gemma2", head_std=2.0).to(torch.bfloat16))
+    model = _softcapped_forward(tiny_model("llama", head_std=2.0).to(torch.bfloat16))
     with pytest.raises(fr_trl.UnsupportedModelError, match="differ"):
         fr_trl.patch_fused_lm_head(model)
 
@@ -487,15 +492,7 @@ def test_head_check_like_with_like_under_autocast():
     for kind in ("llama", "gemma2"):
         model = acc.prepare_model(tiny_model(kind, head_std=2.0), evaluation_mode=True)
         fr_trl.patch_fused_lm_head(model)
-    model = tiny_model("llama", head_std=2.0)
-    orig = model.forward
-
-    def capped(*a, **k):
-        out = orig(*a, **k)
-        out.logits = 30.0 * torch.tanh(out.logits / 30.0)
-        return out
-
-    model.forward = capped
+    model = _softcapped_forward(tiny_model("llama", head_std=2.0))
     model = acc.prepare_model(model, evaluation_mode=True)
     with pytest.raises(fr_trl.UnsupportedModelError, match="differ"):
         fr_trl.patch_fused_lm_head(model)
