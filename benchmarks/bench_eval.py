@@ -132,7 +132,7 @@ def job_commit(job: tuple) -> str:
     return job[7] if len(job) > 7 else "memory"
 
 
-def eval_args(a, spec: str, job: tuple, out: Path, time_left: float | None):
+def eval_args(a, spec: str, job: tuple, out: Path, time_left: float | None, backend: str = "hf"):
     suite, cats, n, drift, limit_key, fidelity = job[:6]
     limit = getattr(a, f"limit_{limit_key}")
     steps = {"builtin": a.steps_builtin, "bfcl": a.steps_bfcl, "tau2": a.steps_tau2}[suite]
@@ -140,7 +140,7 @@ def eval_args(a, spec: str, job: tuple, out: Path, time_left: float | None):
             "--max-new-tokens", str(a.max_new_tokens_bfcl if suite == "bfcl" else a.max_new_tokens),
             "--batch-size", str(a.batch_size),
             "--rehearsal-budget", str(n), "--rehearsal-mode", a.mode,
-            "--rehearsal-commit", job_commit(job), "--out", str(out), "--quiet"]
+            "--rehearsal-commit", job_commit(job), "--backend", backend, "--out", str(out), "--quiet"]
     if cats:
         argv += ["--categories", cats]
     if drift:
@@ -189,6 +189,8 @@ def row_from(tag: str, job_name: str, job: tuple, res: dict, out: Path) -> dict:
                        if res["n"] else 0.0),
         "errors": sum(c["errors"] for c in res["categories"].values()),
         "seconds": res.get("wall_s_total") or 0.0,
+        "backend": res.get("backend", "hf"), "backend_startup_s": res.get("backend_startup_s"),
+        "rollout_s": res.get("rollout_s"),
         "items_in_dir": len(items),
         "run_dir": str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out),
         "categories": res["categories"], "drift": res["drift"],
@@ -374,13 +376,20 @@ def main() -> int:
     p.add_argument("--notes", default=None, help="markdown file appended to the report (caveats)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (1: robust on a shared box, and about as fast for 135M here)")
+    p.add_argument("--backends", default="hf",
+                   help="comma list of generation backends (hf, vllm), each job run once per backend, side by "
+                        "side; a vllm run's job name and run dir get '@vllm'")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing new: rebuild the report from finished items of every selected run")
     a = p.parse_args()
     names = a.jobs.split(",") if a.jobs else list(JOBS)
     bad = [n for n in names if n not in JOBS]
     if bad:
-        raise ValueError(f"--jobs: unknown run(s) {bad}; known: {list(JOBS)}")
+        raise SystemExit(f"--jobs: unknown run(s) {bad}; known: {list(JOBS)}")
+    backends = a.backends.split(",")
+    bad = [b for b in backends if b not in cli.BACKENDS]
+    if bad:
+        raise SystemExit(f"--backends: unknown {bad}; known: {list(cli.BACKENDS)}")
 
     import torch
 
@@ -394,34 +403,35 @@ def main() -> int:
     t_start = time.perf_counter()
     rows, skipped = [], []
     loaded: dict[str, object] = {}
-    for name in names:
+    for name, backend in [(n, b) for n in names for b in backends]:
         job = JOBS[name]
+        run_name = name if backend == "hf" else f"{name}@{backend}"
         for tag, spec in models:
             if job[6] and tag == BASE_TAG:
                 continue               # drift / answer rows: trained models only (the base makes no calls)
-            out = ROOT / a.runs / tag / name
+            out = ROOT / a.runs / tag / run_name
             left = None if not a.budget_s else a.budget_s - (time.perf_counter() - t_start)
             if a.report_only:
                 if not (out / "results.json").is_file():
-                    skipped.append({"model": tag, "run": name})
+                    skipped.append({"model": tag, "run": run_name})
                     continue
                 res = json.loads((out / "results.json").read_text())
-                rows.append(row_from(tag, name, job, res, out))
+                rows.append(row_from(tag, run_name, job, res, out))
                 continue
             if left is not None and left <= 0:
-                skipped.append({"model": tag, "run": name})
+                skipped.append({"model": tag, "run": run_name})
                 continue
             if spec not in loaded:
                 loaded.clear()          # one model in memory at a time
                 loaded[spec] = load_model(spec)
             load0 = os.getloadavg()[0]
             t0 = time.perf_counter()
-            res = cli.run(eval_args(a, spec, job, out, left), loaded[spec])
+            res = cli.run(eval_args(a, spec, job, out, left, backend), loaded[spec])
             wall = time.perf_counter() - t0
             record_invocation(out, (load0, os.getloadavg()[0]), wall, res.get("items_run_last_invocation", 0) > 0)
-            rows.append(row_from(tag, name, job, res, out))
+            rows.append(row_from(tag, run_name, job, res, out))
             acc = "n/a" if res["overall"] is None else f"{res['overall']:.3f}"
-            print(f"[{time.perf_counter() - t_start:6.0f}s] {tag} {name}: acc={acc} n={res['n']} errors={res['errors']} "
+            print(f"[{time.perf_counter() - t_start:6.0f}s] {tag} {run_name}: acc={acc} n={res['n']} errors={res['errors']} "
                   f"({wall:.0f}s, load {load0:.1f}->{os.getloadavg()[0]:.1f})", flush=True)
     total = time.perf_counter() - t_start
     meta = {"hardware": {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
