@@ -15,6 +15,8 @@ same optimizer steps, learning rate and trajectories per step:
       the real response of each rehearsed call), ACT baseline within real / rehearsed strata, CE on
       real responses (w_observed 1)
   S   SFT only on gold trajectories: the same optimizer steps, lr and trajectories per step
+  Hw0, Hg0  (only when named in --arms) H with w_observed 0 / with grounded_weight 0: which term
+      drove H's collapse
 Then per checkpoint (the warm-up's too): `fastrehearse eval` (real tools, greedy) on the seen
 families' held-out tasks (answer-checked; call success rescored from the same episodes), the
 held-out `accounts` family (answers are copies of a tool field: call and answer success), the seen
@@ -66,6 +68,15 @@ ARM_SETS = {   # --set overrides of each arm (on top of: start from the warm-up 
     "S": [],   # plan(): steps=0, sft.steps=--steps, sft.tasks_per_step = tasks x group, sft.lr = optim.lr
 }
 DEFAULT_SEEDS = {"R": 4, "Ca": 4, "Cc": 3, "H": 3, "S": 2}
+# Ablations of H, run only when named (--arms Hw0,Hg0): H collapsed into argument-less calls with ~no
+# ACT signal, so either the CE on real responses or the grounded world reward moved the policy.
+ABLATIONS = {
+    "Hw0": ("H without CE on real responses (w_observed 0)", ["algo.loss.w_observed=0.0"]),
+    "Hg0": ("H without the grounded world reward (grounded_weight 0)", ["algo.world_reward.grounded_weight=0.0"]),
+}
+for _arm, (_name, _sets) in ABLATIONS.items():   # later --set wins: the ablated term after H's own
+    ARM_NAMES[_arm], ARM_SETS[_arm], DEFAULT_SEEDS[_arm] = _name, [*ARM_SETS["H"], *_sets], 1
+KNOWN_ARMS = (*ARMS, *ABLATIONS)
 # Every run, warm-up included: hold out `accounts` (EASY answers there are copies of a response
 # field, so 0% would say something about unseen tools) and a constant lr (v1's SFT-only had constant
 # 1e-4, RL a cosine from 5e-5: two changes at once).
@@ -108,7 +119,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                   "--tiny: configs/learning_tiny.yaml)")
     p.add_argument("--level", default="easy@-accounts",
                    help="builtin level of every run, holding out a family as LEVEL@-FAMILY")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma list from {ARMS}")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma list from {KNOWN_ARMS} (default: {ARMS})")
     p.add_argument("--seeds", default=None, help=f"N for every arm or ARM=N,... (default {DEFAULT_SEEDS})")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per arm (default 12; --tiny 2)")
     p.add_argument("--n-eval", type=int, default=None, help="held-out tasks per success metric (default 64)")
@@ -135,9 +146,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.runs = Path(a.runs or f"runs/learning_v2{'_tiny' if a.tiny else ''}")
     a.out = Path(a.out) if a.out else (a.runs / "learning_v2_tiny" if a.tiny else RESULTS / "learning_v2_smollm2")
     a.arms = [x.strip() for x in a.arms.split(",") if x.strip()]
-    bad = [x for x in a.arms if x not in ARMS]
+    bad = [x for x in a.arms if x not in KNOWN_ARMS]
     if bad or not a.arms:
-        p.error(f"--arms: unknown {bad or 'empty'}; choose from {list(ARMS)}")
+        p.error(f"--arms: unknown {bad or 'empty'}; choose from {list(KNOWN_ARMS)}")
     try:
         a.seeds = parse_seeds(a.seeds, a.arms)
     except ValueError as e:

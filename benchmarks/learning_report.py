@@ -145,7 +145,7 @@ def read_checkpoint(a, cfg, run_dir: Path, cats: dict) -> tuple[dict, list[str]]
 
 def curves(run_dir: Path) -> dict:
     keys = ("reward", "reward_real", "world_reward", "world_format", "world_grounded", "fidelity",
-            "zero_signal_groups", "real_stratum_frac", "loss", "episodes")
+            "zero_signal_groups", "real_stratum_frac", "malformed_frac", "loss", "episodes")
     out = {"step": [], "stage": [], **{k: [] for k in keys}}
     rows: dict[int, dict] = {}
     for r in _items(run_dir / "metrics.jsonl"):
