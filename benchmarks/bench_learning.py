@@ -29,6 +29,8 @@ the minimum detectable effect (benchmarks/learning_report.py).
     python benchmarks/bench_learning.py --pilot         # warm-up + its eval: is it in the 25-60% window?
     nice -n 19 python benchmarks/bench_learning.py      # the experiment; rerun the same command to resume
     python benchmarks/bench_learning.py --report-only   # rebuild JSON/MD/PNG from the run dirs
+    python benchmarks/bench_learning.py --seeds R=2 --prior benchmarks/results/learning_v2_smollm2.json
+                                  # add seed 1 of R; seed 0 from the earlier report (its run dir is gone)
     python benchmarks/bench_learning.py --tiny          # the whole pipeline on a tiny random model
 
 Resumable: a finished run (its summary.json counts the planned steps) is skipped, a started one
@@ -137,6 +139,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pilot", action="store_true", help="only the warm-up and its eval, then the window check")
     p.add_argument("--dry-run", action="store_true", help="print the plan and the commands; run nothing")
     p.add_argument("--report-only", action="store_true", help="only rebuild JSON/MD/PNG from the run dirs")
+    p.add_argument("--prior", action="append", default=[], metavar="JSON",
+                   help="an earlier report of the same plan: its arm/seed records stand for run dirs not "
+                        "here (not retrained), when its warm-up is this one (repeatable)")
     a = p.parse_args(argv)
     a.config = a.config or f"configs/learning_{'tiny' if a.tiny else 'smollm2'}.yaml"
     a.steps = a.steps if a.steps is not None else (2 if a.tiny else 12)
@@ -229,12 +234,14 @@ def plan(a, cfg) -> dict:
                        "evals": eval_cmds(a, cfg, warm / "export", warm)}, "runs": runs}
 
 
-def estimate_s(a, cfg) -> dict:
+def estimate_s(a, cfg, kept=frozenset()) -> dict:
+    """Seconds of the plan, less the runs `kept` from --prior."""
     c = COST_S
     per_step = cfg.rollout.tasks_per_step * cfg.rollout.group_size
-    rl = sum(n for arm, n in a.seeds.items() if arm != "S")
-    sft = a.seeds.get("S", 0)
-    n_ckpt = sum(a.seeds.values()) + 1
+    todo = {arm: n - sum(1 for k in kept if k[0] == arm) for arm, n in a.seeds.items()}
+    rl = sum(n for arm, n in todo.items() if arm != "S")
+    sft = todo.get("S", 0)
+    n_ckpt = sum(todo.values()) + 1
     evals = (2 + (0 if a.no_drift else 2)) * a.n_eval * c["eval_item"] + (a.n_tf + a.n_eval) * c["tf_item"] \
         + 2 * a.n_rehearsal * c["tf_rehearsal"] + 5 * c["start"]
     core = (c["start"] + cfg.sft.steps * cfg.sft.tasks_per_step * c["sft_traj"]
@@ -388,8 +395,16 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     cfg = load_cfg(a)
     pl = plan(a, cfg)
-    est = estimate_s(a, cfg)
-    jobs = [pl["warmup"], *pl["runs"].values()]
+    import learning_report as lr
+    try:
+        priors = lr.load_priors(a, cfg, a.prior)
+    except ValueError as e:
+        print(f"bench_learning: error: {e}", file=sys.stderr)
+        return 2
+    kept = {k for k in priors if not _finished(pl["runs"][k]["run_dir"], pl["runs"][k]["total_steps"])}
+    pl_run = {k: j for k, j in pl["runs"].items() if k not in kept}
+    est = estimate_s(a, cfg, kept)
+    jobs = [pl["warmup"], *pl_run.values()]
     print(f"plan: warm-up ({cfg.sft.steps} SFT steps, level {a.level}) -> arms {a.seeds} seeds x {a.steps} steps; "
           f"eval n={a.n_eval} per success metric, teacher-forced n={a.n_tf}, rehearsal split n={a.n_rehearsal}; "
           f"{a.jobs} jobs x {a.threads} threads; run dirs under {a.runs}")
@@ -401,9 +416,10 @@ def main(argv=None) -> int:
         print("  " + shell(j["train"], a.threads))
         for _, _, c in j["evals"]:
             print("  " + shell(c, a.threads))
+    if kept:
+        print(f"kept from --prior (not run): {', '.join(f'{arm}-s{seed}' for arm, seed in sorted(kept))}")
     if a.dry_run:
         return 0
-    import learning_report as lr
     failures: list = []
     t0 = time.perf_counter()
     if not a.report_only:
@@ -414,9 +430,9 @@ def main(argv=None) -> int:
             return lr.pilot_verdict(a, cfg, pl, failures, WINDOW)
         if not failures:   # the warm-up's own eval runs beside the arms
             with cf.ThreadPoolExecutor(max_workers=a.jobs) as ex:
-                for f in [ex.submit(train_then_eval, a, j, failures) for j in [pl["warmup"], *pl["runs"].values()]]:
+                for f in [ex.submit(train_then_eval, a, j, failures) for j in jobs]:
                     f.result()
-    res = lr.report(a, cfg, pl, failures, None if a.report_only else time.perf_counter() - t0, est)
+    res = lr.report(a, cfg, pl, failures, None if a.report_only else time.perf_counter() - t0, est, priors)
     lr.write_outputs(res, a.out)
     if failures or res["missing"]:
         print(f"{len(failures)} command(s) failed, {len(res['missing'])} number(s) missing: see {a.out}.md")

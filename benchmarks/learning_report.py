@@ -218,18 +218,100 @@ def contrast(arms: dict, a: str, b: str, metric: str) -> dict | None:
             "mde": ls.mde([_mean(v) for v in A.values()], [_mean(v) for v in B.values()])}
 
 
+# ---- seeds kept from an earlier report (--prior) -------------------------------------------------
+# Run directories hold the weights (~0.5 GB each) and are not committed, so a later session would
+# have to retrain every earlier seed to add one more. An earlier report keeps, per arm and seed,
+# everything the report reads (per-item results, curves, signal, weight change); --prior reuses
+# those records when the earlier run had the same plan and started from the same warm-up.
+PLAN_KEYS = ("steps_per_arm", "n_eval", "n_tf", "n_rehearsal", "warmup_sft_steps", "tasks_per_step",
+             "group_size", "lr", "min_lr_ratio", "categories", "drift")
+LOGPROB_TOL = 1e-3   # nats: two runs of the teacher-forced pass on one warm-up differ by ~5e-5
+
+
+def plan_of(a, cfg) -> dict:
+    from bench_learning import categories
+    return {"tiny": a.tiny, "config": str(a.config), "level": a.level, "extra_sets": list(a.sets),
+            "steps_per_arm": a.steps, "n_eval": a.n_eval, "n_tf": a.n_tf, "n_rehearsal": a.n_rehearsal,
+            "warmup_sft_steps": cfg.sft.steps, "tasks_per_step": cfg.rollout.tasks_per_step,
+            "group_size": cfg.rollout.group_size, "lr": cfg.optim.lr, "min_lr_ratio": cfg.optim.min_lr_ratio,
+            "categories": categories(a, cfg), "drift": None if a.no_drift else "rename,errors,units,formats"}
+
+
+def load_priors(a, cfg, paths: list) -> dict:
+    """{(arm, seed): {"record", "source", "time", "warmup"}} of the planned runs an earlier report
+    holds. ValueError (one line, naming the file and the setting) when a file is unreadable or was
+    run with another plan, when an arm's --set overrides changed, or when two files hold one run."""
+    from bench_learning import ARM_SETS
+    want = plan_of(a, cfg)
+    out: dict = {}
+    for path in paths:
+        try:
+            r = json.loads(Path(path).read_text())
+            have = {"tiny": r["tiny"], "config": r["config"], "level": r["level"], "extra_sets": r["extra_sets"],
+                    **{k: r["plan"][k] for k in PLAN_KEYS}}
+            arms, warm = r["arms"], r["warmup"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"--prior {path}: not a learning_v2 report ({type(e).__name__}: {e})") from None
+        diff = [k for k in want if have[k] != want[k]]
+        if diff:
+            k = diff[0]
+            raise ValueError(f"--prior {path}: run with {k}={have[k]!r}, this run has {k}={want[k]!r}")
+        for arm, rec in arms.items():
+            if arm not in a.seeds:
+                continue
+            if rec.get("sets") != ARM_SETS[arm]:
+                raise ValueError(f"--prior {path}: arm {arm} was run with --set {rec.get('sets')}, "
+                                 f"now {ARM_SETS[arm]}")
+            for seed, srec in rec["seeds"].items():
+                if int(seed) >= a.seeds[arm]:
+                    continue
+                if (arm, int(seed)) in out:
+                    raise ValueError(f"--prior {path}: {arm} seed {seed} is also in {out[(arm, int(seed))]['source']}")
+                out[(arm, int(seed))] = {"record": srec, "source": str(path), "time": r.get("time"),
+                                         "warmup": warm}
+    return out
+
+
+def same_warmup(prior_warm: dict, items: dict, sha: str | None) -> str | None:
+    """None when an earlier report's warm-up is this run's, else why not. Weights by sha256 when
+    both reports have it; else every success / fidelity item equal and log-probs within LOGPROB_TOL."""
+    if sha and prior_warm.get("weights_sha256"):
+        return None if sha == prior_warm["weights_sha256"] else "warm-up weights differ (sha256)"
+    for k, kind in METRICS.items():
+        p, q = prior_warm["items"].get(k, {}), items.get(k, {})
+        if p.keys() != q.keys():
+            return f"warm-up {k}: other items"
+        if kind[1] == "nats":
+            worst = max((abs(p[i] - q[i]) for i in p), default=0.0)
+            if worst > LOGPROB_TOL:
+                return f"warm-up {k} differs by {worst:.2g} nats"
+        elif p != q:
+            return f"warm-up {k}: {sum(p[i] != q[i] for i in p)} items differ"
+    return None
+
+
 # ---- the report --------------------------------------------------------------------------------
-def report(a, cfg, pl: dict, failures: list, wall_s: float | None, est: dict) -> dict:
-    from bench_learning import ARM_NAMES, ARM_SETS, categories, same_as_warmup, shell
+def report(a, cfg, pl: dict, failures: list, wall_s: float | None, est: dict, priors: dict | None = None) -> dict:
+    from bench_learning import ARM_NAMES, ARM_SETS, _finished, _sha_of, categories, same_as_warmup, shell
     cats = categories(a, cfg)
     warm = pl["warmup"]["run_dir"]
     w_items, missing = read_checkpoint(a, cfg, warm, cats)
+    w_sha = _sha_of(warm / "export") if list((warm / "export").glob("*.safetensors")) else None
+    priors = priors or {}
     arms = {}
     for arm in a.arms:
         seeds = {}
         for seed in range(a.seeds[arm]):
             job = pl["runs"][(arm, seed)]
             d = job["run_dir"]
+            prior = priors.get((arm, seed))
+            if prior is not None and not _finished(d, job["total_steps"]):   # a run dir here wins
+                why = same_warmup(prior["warmup"], w_items, w_sha)
+                if why:
+                    missing.append(f"{arm}-s{seed}: kept in {prior['source']} but not usable: {why}")
+                else:
+                    seeds[str(seed)] = {**prior["record"], "kept_from": f"{prior['source']} ({prior['time']})"}
+                continue
             shared = same_as_warmup(d, warm) if (d / "export").exists() else None
             items, miss = read_checkpoint(a, cfg, warm if shared else d, cats)
             missing += miss
@@ -272,7 +354,8 @@ def report(a, cfg, pl: dict, failures: list, wall_s: float | None, est: dict) ->
                  "lr": cfg.optim.lr, "min_lr_ratio": cfg.optim.min_lr_ratio, "categories": cats,
                  "drift": None if a.no_drift else "rename,errors,units,formats", "estimate": est},
         "metrics": {k: v[0] for k, v in METRICS.items()},
-        "warmup": {"run_dir": str(warm), "items": w_items, "metrics": {k: _mean(v) for k, v in w_items.items()},
+        "prior": sorted({p["source"] for p in priors.values()}),
+        "warmup": {"run_dir": str(warm), "weights_sha256": w_sha, "items": w_items, "metrics": {k: _mean(v) for k, v in w_items.items()},
                    "train_command": shell(pl["warmup"]["train"], a.threads),
                    "eval_commands": [shell(c, a.threads) for _, _, c in pl["warmup"]["evals"]]},
         "arms": arms, "contrasts": contrasts, "consistent_arm_signal": judged,
@@ -378,6 +461,12 @@ def write_md(res: dict, path: Path) -> None:
             cells.append(f"s{seed}: " + " / ".join("-" if m.get(k) is None else f"{100 * m[k]:.1f}"
                                                    for k in ("answer_seen", "call_heldout", "answer_heldout", "reh_hidden")))
         lines.append(f"- {arm}: " + "; ".join(cells))
+    kept = [(f"{arm}-s{seed}", s["kept_from"]) for arm, r in res["arms"].items() for seed, s in r["seeds"].items()
+            if s.get("kept_from")]
+    if kept:
+        lines += ["", "Kept from an earlier report of the same plan and warm-up (`--prior`; their run dirs were "
+                      "not here, so their records were reused, not retrained): "
+                  + "; ".join(f"{k} from {src}" for k, src in kept) + "."]
     if res["missing"] or res["failures"]:
         lines += ["", "## Missing / failed (never counted as scores)", ""]
         lines += [f"- {m}" for m in res["missing"]] + [f"- rc {f['rc']}: `{f['command']}` (log {f['log']})"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -247,3 +248,95 @@ def test_tiny_pipeline_end_to_end(tmp_path):
     r2 = _bench(*args, timeout=900)
     assert r2.returncode == 0, r2.stdout[-2000:]
     assert {p: p.stat().st_mtime_ns for p in runs.rglob("*.json") if p.parent != runs} == before
+    # a later session without R-s1's run dir: --prior keeps its record (same plan, same warm-up)
+    prior = tmp_path / "prior.json"
+    shutil.copy(runs / "learning_v2_tiny.json", prior)
+    shutil.rmtree(runs / "R-s1")
+    r3 = _bench(*args, "--report-only", "--prior", str(prior), timeout=900)
+    assert r3.returncode == 0, r3.stdout[-2000:]
+    res3 = json.loads((runs / "learning_v2_tiny.json").read_text())
+    kept = res3["arms"]["R"]["seeds"]["1"]
+    assert kept.pop("kept_from").startswith(str(prior)) and kept == res["arms"]["R"]["seeds"]["1"]
+    assert res3["arms"]["R"]["seeds"]["0"] == res["arms"]["R"]["seeds"]["0"]      # a run dir here wins
+    assert res3["arms"]["R"]["summary"] == res["arms"]["R"]["summary"] and res3["missing"] == []
+    assert "R-s1 from" in (runs / "learning_v2_tiny.md").read_text()
+
+
+# ---- --prior: seeds kept from an earlier report ------------------------------------------------
+def _prior_report(bl, lr, a, cfg, seeds=("0",), **plan_changes) -> dict:
+    plan = {**lr.plan_of(a, cfg), **plan_changes}
+    top = {k: plan.pop(k) for k in ("tiny", "config", "level", "extra_sets")}
+    items = {k: {"t1": 0.5, "t2": 1.0} for k in lr.METRICS}
+    items["tf_answer"] = {"t1": -1.25, "t2": -0.5}
+    rec = lambda s: {"run_dir": f"runs/R-s{s}", "items": items, "metrics": {}, "curves": {}, "signal": {},  # noqa: E731
+                     "weight_change": 0.001, "weights_same_as_warmup": None}
+    return {**top, "time": "2026-12-04T22:42:33Z", "plan": plan,
+            "warmup": {"items": items, "weights_sha256": None},
+            "arms": {"R": {"sets": bl.ARM_SETS["R"], "seeds": {s: rec(s) for s in seeds}},
+                     "H": {"sets": bl.ARM_SETS["H"], "seeds": {"0": rec("0")}}}}
+
+
+def test_prior_records_reused_only_for_the_same_plan_and_warmup(tmp_path):
+    """--prior takes an earlier report's arm/seed records for the planned runs; another plan, other
+    --set overrides of an arm, one run in two files or a non-report file are refused by name; the
+    warm-up must be the same (weights by sha256, else item for item, log-probs within 1e-3 nats)."""
+    sys.path.insert(0, str(BENCH.parent))
+    import bench_learning as bl
+    import learning_report as lr
+    a = bl.parse_args(["--tiny", "--arms", "R,Ca", "--seeds", "R=2,Ca=1", "--runs", str(tmp_path / "runs")])
+    cfg = bl.load_cfg(a)
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(_prior_report(bl, lr, a, cfg, seeds=("0", "1", "2"))))
+    got = lr.load_priors(a, cfg, [good])
+    assert sorted(got) == [("R", 0), ("R", 1)]        # R seed 2 not planned, H not an arm of this run
+    assert got[("R", 1)]["record"]["run_dir"] == "runs/R-s1" and got[("R", 1)]["source"] == str(good)
+    cases = {"n_eval": ("n_eval", {"n_eval": 99}), "drift": ("drift", {"drift": None}),
+             "level": ("level", {"level": "medium@-accounts"})}
+    for name, (word, change) in cases.items():
+        p = tmp_path / f"{name}.json"
+        p.write_text(json.dumps(_prior_report(bl, lr, a, cfg, **change)))
+        with pytest.raises(ValueError, match=f"{word}="):
+            lr.load_priors(a, cfg, [p])
+    sets = _prior_report(bl, lr, a, cfg)
+    sets["arms"]["R"]["sets"] = ["rollout.mode=real", "env.reward=calls"]
+    (tmp_path / "sets.json").write_text(json.dumps(sets))
+    with pytest.raises(ValueError, match="arm R was run with"):
+        lr.load_priors(a, cfg, [tmp_path / "sets.json"])
+    with pytest.raises(ValueError, match="also in"):
+        lr.load_priors(a, cfg, [good, good])
+    (tmp_path / "junk.json").write_text("[1, 2]")
+    for bad in (tmp_path / "junk.json", tmp_path / "absent.json"):
+        with pytest.raises(ValueError, match="not a learning_v2 report"):
+            lr.load_priors(a, cfg, [bad])
+
+    warm = got[("R", 0)]["warmup"]
+    same = json.loads(json.dumps(warm["items"]))
+    assert lr.same_warmup(warm, same, None) is None
+    same["tf_answer"]["t1"] += 5e-5                      # the teacher-forced pass's own run-to-run noise
+    assert lr.same_warmup(warm, same, None) is None
+    same["tf_answer"]["t1"] += 0.01
+    assert "tf_answer differs" in lr.same_warmup(warm, same, None)
+    other = json.loads(json.dumps(warm["items"]))
+    other["answer_seen"]["t2"] = 0.0
+    assert "answer_seen: 1 items differ" in lr.same_warmup(warm, other, None)
+    del other["answer_seen"]["t2"]
+    assert "other items" in lr.same_warmup(warm, other, None)
+    assert lr.same_warmup({**warm, "weights_sha256": "ab"}, other, "ab") is None     # weights decide
+    assert "sha256" in lr.same_warmup({**warm, "weights_sha256": "ab"}, warm["items"], "cd")
+
+
+def test_prior_cli_skips_kept_runs_and_refuses_a_bad_file(tmp_path):
+    sys.path.insert(0, str(BENCH.parent))
+    import bench_learning as bl
+    import learning_report as lr
+    args = ["--dry-run", "--tiny", "--arms", "R,Ca", "--seeds", "R=2,Ca=1", "--runs", str(tmp_path / "runs")]
+    a = bl.parse_args(args[1:])
+    p = tmp_path / "prior.json"
+    p.write_text(json.dumps(_prior_report(bl, lr, a, bl.load_cfg(a))))
+    r = _bench(*args, "--prior", str(p))
+    assert r.returncode == 0, r.stderr
+    assert "kept from --prior (not run): R-s0" in r.stdout
+    train = [ln for ln in r.stdout.splitlines() if " fastrehearse train " in f" {ln} "]
+    assert not any("/R-s0 " in ln for ln in train) and any("/R-s1 " in ln for ln in train)
+    r = _bench(*args, "--prior", str(p), "--steps", "3")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "steps_per_arm=2" in r.stderr
