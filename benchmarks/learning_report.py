@@ -298,6 +298,7 @@ def report(a, cfg, pl: dict, failures: list, wall_s: float | None, est: dict, pr
     w_items, missing = read_checkpoint(a, cfg, warm, cats)
     w_sha = _sha_of(warm / "export") if list((warm / "export").glob("*.safetensors")) else None
     priors = priors or {}
+    pk = plan_of(a, cfg)
     arms = {}
     for arm in a.arms:
         seeds = {}
@@ -310,7 +311,8 @@ def report(a, cfg, pl: dict, failures: list, wall_s: float | None, est: dict, pr
                 if why:
                     missing.append(f"{arm}-s{seed}: kept in {prior['source']} but not usable: {why}")
                 else:
-                    seeds[str(seed)] = {**prior["record"], "kept_from": f"{prior['source']} ({prior['time']})"}
+                    seeds[str(seed)] = {**prior["record"],   # a record kept twice names where it was run
+                                        "kept_from": prior["record"].get("kept_from") or f"{prior['source']} ({prior['time']})"}
                 continue
             shared = same_as_warmup(d, warm) if (d / "export").exists() else None
             items, miss = read_checkpoint(a, cfg, warm if shared else d, cats)
@@ -345,14 +347,10 @@ def report(a, cfg, pl: dict, failures: list, wall_s: float | None, est: dict, pr
                 "world-model reward (H) and SFT-only (S), from one SFT warm-up, matched steps / lr / "
                 "trajectories per step; held-out eval by `fastrehearse eval` (real tools, greedy) and "
                 "fastrehearse.eval.teacher_forced",
-        "tiny": a.tiny, "config": str(a.config), "level": a.level, "extra_sets": a.sets,
+        **{k: pk[k] for k in ("tiny", "config", "level", "extra_sets")},   # what --prior compares
         "hardware": hardware(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "wall_s_this_invocation": wall_s,
-        "plan": {"arms": a.arms, "seeds": a.seeds, "steps_per_arm": a.steps, "n_eval": a.n_eval, "n_tf": a.n_tf,
-                 "n_rehearsal": a.n_rehearsal, "warmup_sft_steps": cfg.sft.steps,
-                 "tasks_per_step": cfg.rollout.tasks_per_step, "group_size": cfg.rollout.group_size,
-                 "lr": cfg.optim.lr, "min_lr_ratio": cfg.optim.min_lr_ratio, "categories": cats,
-                 "drift": None if a.no_drift else "rename,errors,units,formats", "estimate": est},
+        "plan": {"arms": a.arms, "seeds": a.seeds, **{k: pk[k] for k in PLAN_KEYS}, "estimate": est},
         "metrics": {k: v[0] for k, v in METRICS.items()},
         "prior": sorted({p["source"] for p in priors.values()}),
         "warmup": {"run_dir": str(warm), "weights_sha256": w_sha, "items": w_items, "metrics": {k: _mean(v) for k, v in w_items.items()},
