@@ -401,7 +401,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"bench_learning: error: {e}", file=sys.stderr)
         return 2
-    kept = {k for k in priors if not _finished(pl["runs"][k]["run_dir"], pl["runs"][k]["total_steps"])}
+    # a finished run dir here wins over an earlier report's record of it
+    priors = {k: v for k, v in priors.items() if not _finished(pl["runs"][k]["run_dir"], pl["runs"][k]["total_steps"])}
+    kept = set(priors)
     pl_run = {k: j for k, j in pl["runs"].items() if k not in kept}
     est = estimate_s(a, cfg, kept)
     jobs = [pl["warmup"], *pl_run.values()]

@@ -277,11 +277,11 @@ def same_warmup(prior_warm: dict, items: dict, sha: str | None) -> str | None:
     both reports have it; else every success / fidelity item equal and log-probs within LOGPROB_TOL."""
     if sha and prior_warm.get("weights_sha256"):
         return None if sha == prior_warm["weights_sha256"] else "warm-up weights differ (sha256)"
-    for k, kind in METRICS.items():
+    for k, (_, kind) in METRICS.items():
         p, q = prior_warm["items"].get(k, {}), items.get(k, {})
         if p.keys() != q.keys():
             return f"warm-up {k}: other items"
-        if kind[1] == "nats":
+        if kind == "nats":
             worst = max((abs(p[i] - q[i]) for i in p), default=0.0)
             if worst > LOGPROB_TOL:
                 return f"warm-up {k} differs by {worst:.2g} nats"
@@ -292,13 +292,15 @@ def same_warmup(prior_warm: dict, items: dict, sha: str | None) -> str | None:
 
 # ---- the report --------------------------------------------------------------------------------
 def report(a, cfg, pl: dict, failures: list, wall_s: float | None, est: dict, priors: dict | None = None) -> dict:
-    from bench_learning import ARM_NAMES, ARM_SETS, _finished, _sha_of, categories, same_as_warmup, shell
-    cats = categories(a, cfg)
+    """`priors`: the runs kept from --prior (bench_learning.main: planned, in an earlier report, no
+    finished run dir here), each used when its warm-up is this one, else listed as missing."""
+    from bench_learning import ARM_NAMES, ARM_SETS, _sha_of, same_as_warmup, shell
+    pk = plan_of(a, cfg)
+    cats = pk["categories"]
     warm = pl["warmup"]["run_dir"]
     w_items, missing = read_checkpoint(a, cfg, warm, cats)
     w_sha = _sha_of(warm / "export") if list((warm / "export").glob("*.safetensors")) else None
     priors = priors or {}
-    pk = plan_of(a, cfg)
     arms = {}
     for arm in a.arms:
         seeds = {}
@@ -306,7 +308,7 @@ def report(a, cfg, pl: dict, failures: list, wall_s: float | None, est: dict, pr
             job = pl["runs"][(arm, seed)]
             d = job["run_dir"]
             prior = priors.get((arm, seed))
-            if prior is not None and not _finished(d, job["total_steps"]):   # a run dir here wins
+            if prior is not None:
                 why = same_warmup(prior["warmup"], w_items, w_sha)
                 if why:
                     missing.append(f"{arm}-s{seed}: kept in {prior['source']} but not usable: {why}")
