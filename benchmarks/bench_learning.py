@@ -70,14 +70,16 @@ ARM_SETS = {   # --set overrides of each arm (on top of: start from the warm-up 
     "S": [],   # plan(): steps=0, sft.steps=--steps, sft.tasks_per_step = tasks x group, sft.lr = optim.lr
 }
 DEFAULT_SEEDS = {"R": 4, "Ca": 4, "Cc": 3, "H": 3, "S": 2}
-# Ablations of H, run only when named (--arms Hw0,Hg0): H collapsed into argument-less calls with ~no
-# ACT signal, so either the CE on real responses or the grounded world reward moved the policy.
-ABLATIONS = {
-    "Hw0": ("H without CE on real responses (w_observed 0)", ["algo.loss.w_observed=0.0"]),
-    "Hg0": ("H without the grounded world reward (grounded_weight 0)", ["algo.world_reward.grounded_weight=0.0"]),
+# Ablations, run only when named (--arms Hw0,Hg0,Cag): H collapsed into argument-less calls with ~no
+# ACT signal, so either the CE on real responses or the grounded world reward moved the policy; Ca's
+# zero-reward seeds collapsed too, moved by the world-model reward alone, which Cag gates on ACT signal.
+ABLATIONS = {   # arm: (name, the arm it ablates, its extra --sets)
+    "Hw0": ("H without CE on real responses (w_observed 0)", "H", ["algo.loss.w_observed=0.0"]),
+    "Hg0": ("H without the grounded world reward (grounded_weight 0)", "H", ["algo.world_reward.grounded_weight=0.0"]),
+    "Cag": ("Ca with the world-model reward gated on ACT signal", "Ca", ["algo.world_reward.gate=act_signal"]),
 }
-for _arm, (_name, _sets) in ABLATIONS.items():   # later --set wins: the ablated term after H's own
-    ARM_NAMES[_arm], ARM_SETS[_arm], DEFAULT_SEEDS[_arm] = _name, [*ARM_SETS["H"], *_sets], 1
+for _arm, (_name, _base, _sets) in ABLATIONS.items():   # later --set wins: the ablated term after the arm's own
+    ARM_NAMES[_arm], ARM_SETS[_arm], DEFAULT_SEEDS[_arm] = _name, [*ARM_SETS[_base], *_sets], 1
 KNOWN_ARMS = (*ARMS, *ABLATIONS)
 # Every run, warm-up included: hold out `accounts` (EASY answers there are copies of a response
 # field, so 0% would say something about unseen tools) and a constant lr (v1's SFT-only had constant

@@ -238,6 +238,49 @@ def test_hybrid_act_baseline_within_strata():
     assert st.zero_signal_frac["ACT"] == 0.5 and st.zero_std_frac["ACT"] == 0.5   # the real stratum: all 1
 
 
+def test_world_reward_gated_on_act_signal():
+    """gate act_signal: REHEARSE's advantage is 0 in a group whose ACT rewards are all equal (the
+    rehearse arm's zero-reward seeds), untouched in a group where ACT has signal; ungated, both
+    groups train REHEARSE. Hybrid: a group has ACT signal when some stratum does."""
+    from fastrehearse.algo.advantages import AdvantageConfig
+    from fastrehearse.train.loop import advantage_config
+    from fastrehearse.train.config import AlgoConfig
+    A, R, C = int(Role.ACT), int(Role.REHEARSE), int(Role.CONTEXT)
+
+    def eps():   # group "flat": task reward 0, 0 (no ACT signal); group "live": 1, 0
+        out = [_episode(t, [C, A, R, A], r) for t, r in (("flat", 0.0), ("flat", 0.0), ("live", 1.0), ("live", 0.0))]
+        for e, w in zip(out, (0.9, 0.3, 0.8, 0.2)):
+            e.role_rewards[R] = w
+        return out
+    plain, gated = eps(), eps()
+    compute_advantages(plain)
+    st = compute_advantages(gated, AdvantageConfig(gate_rehearse_on_act=True))
+    assert [e.advantages for e in plain] == [[0.0, 0.0, pytest.approx(0.3), 0.0], [0.0, 0.0, pytest.approx(-0.3), 0.0],
+                                             [0.0, 0.5, pytest.approx(0.3), 0.5], [0.0, -0.5, pytest.approx(-0.3), -0.5]]
+    assert [e.advantages for e in gated] == [[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0],
+                                             [0.0, 0.5, pytest.approx(0.3), 0.5], [0.0, -0.5, pytest.approx(-0.3), -0.5]]
+    assert st.zero_signal_frac == {"ACT": 0.5, "REHEARSE": 0.5}
+    # turn-level REHEARSE spans of a gated group are dropped too
+    e = eps()[:2]
+    e[0].metadata["turn_rewards"] = [(2, 3, 1.0)]
+    e[1].metadata["turn_rewards"] = [(2, 3, 0.0)]
+    compute_advantages(e, AdvantageConfig(gate_rehearse_on_act=True))
+    assert e[0].advantages == [0.0] * 4 and e[1].advantages == [0.0] * 4
+    # hybrid strata: ACT equal within each stratum, unequal across -> no ACT signal -> gated
+    h = eps()[:2]
+    h[0].metadata["stratum"], h[1].metadata["stratum"] = "real", "rehearsed"
+    h[0].reward = 1.0
+    compute_advantages(h, AdvantageConfig(gate_rehearse_on_act=True))
+    assert h[0].advantages == [0.0] * 4
+    # the config key reaches the advantages; a bad value is refused by name
+    assert advantage_config(AlgoConfig(world_reward=WorldRewardConfig(mode="world", gate="act_signal"))).gate_rehearse_on_act
+    assert not advantage_config(AlgoConfig()).gate_rehearse_on_act
+    with pytest.raises(ValueError, match="world_reward.gate"):
+        WorldRewardConfig(gate="act")
+    with pytest.raises(ValueError, match="ACT before REHEARSE"):
+        compute_advantages(eps(), AdvantageConfig(gate_rehearse_on_act=True), roles=(Role.REHEARSE, Role.ACT))
+
+
 def test_assign_rewards_tags_hybrid_strata_only_in_hybrid():
     task = _easy("get_balance")
     traj = _traj(task, "{}", "x", rehearsed=False)

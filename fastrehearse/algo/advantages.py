@@ -35,6 +35,14 @@ Hybrid strata: when episodes carry metadata["stratum"] (fastrehearse.algo.reward
 episodes "real" / "rehearsed"), ACT's g is split by stratum: ACT is compared only with episodes of
 the same task whose calls were executed the same way. Other roles keep the task group.
 
+Gating the world model on ACT signal (`gate_rehearse_on_act`; config
+`algo.world_reward.gate: act_signal`): in a task group where ACT has no signal (every ACT stratum's
+rewards equal, or a single member) REHEARSE gets advantage 0 too, turn-level spans included. Why:
+with a world-model reward of its own (mode "world") REHEARSE keeps a gradient when the task reward
+pays nothing; through the shared weights that gradient alone moved the learning experiment's
+rehearse arm into malformed calls on seeds whose task reward was 0 everywhere (docs/learning.md).
+Gated, the world model trains only beside a policy update on the same task.
+
 Groups never cross data-parallel ranks: the trainer generates all samples of a task on one rank, so
 this computation is local and needs no communication.
 """
@@ -57,6 +65,7 @@ class AdvantageConfig:
     leave_one_out: bool = False
     eps: float = 1e-6
     turn_reward_coef: float = 1.0
+    gate_rehearse_on_act: bool = False   # REHEARSE advantage 0 in groups where ACT has no signal
 
 
 @dataclass
@@ -135,13 +144,21 @@ def compute_advantages(episodes: list[Episode], config: AdvantageConfig | None =
 
     n_groups = defaultdict(int)      # baseline groups per role (task groups; ACT: its strata)
     zero_signal = defaultdict(int)
+    if cfg.gate_rehearse_on_act and Role.REHEARSE in roles and Role.ACT not in roles[:roles.index(Role.REHEARSE)]:
+        raise ValueError("gate_rehearse_on_act needs ACT before REHEARSE in `roles` (the gate reads "
+                         f"ACT's signal first), got {[r.name for r in roles]}")
     for idx in groups.values():
+        act_signal = False     # some ACT stratum of this group has unequal rewards
+        gated: set[int] = set()
         for role in roles:
             masks = {i: role_t[i] == int(role) for i in idx}
             members = [i for i in idx if bool(masks[i].any())]   # g_r
             if not members:
                 n_groups[role.name] += 1
                 continue
+            gate = cfg.gate_rehearse_on_act and role == Role.REHEARSE and not act_signal
+            if gate:
+                gated.add(int(role))
             strata = [members]
             if role == Role.ACT and any("stratum" in episodes[i].metadata for i in members):
                 keys = sorted({str(episodes[i].metadata.get("stratum")) for i in members})
@@ -152,13 +169,17 @@ def compute_advantages(episodes: list[Episode], config: AdvantageConfig | None =
                 adv = group_advantages(rewards, std_normalize=cfg.std_normalize,
                                        leave_one_out=cfg.leave_one_out, eps=cfg.eps)
                 same = bool((rewards == rewards[0]).all())
+                if role == Role.ACT and not same:
+                    act_signal = True
+                if gate:
+                    adv = torch.zeros_like(adv)
                 zero_std[role.name] += int(len(sub) > 1 and same)
-                zero_signal[role.name] += int(same)      # a single member is "all equal" too
+                zero_signal[role.name] += int(same or gate)      # a single member is "all equal" too
                 all_r[role.name] += rewards.tolist()
                 for a, i in zip(adv.tolist(), sub):
                     per_token[i][masks[i]] = a
                     abs_adv[role.name].append(abs(a))
-        _add_turn_advantages(episodes, idx, per_token, cfg, roles)
+        _add_turn_advantages(episodes, idx, per_token, cfg, tuple(r for r in roles if int(r) not in gated))
 
     for i, ep in enumerate(episodes):
         ep.advantages = per_token[i].tolist()

@@ -175,9 +175,7 @@ def rl_step(run: Run) -> dict:
                                       f"({failures} rollout failures)")
     # 3. role-wise GRPO advantages (groups = task ids)
     a = cfg.algo
-    adv = compute_advantages(episodes, AdvantageConfig(std_normalize=a.std_normalize,
-                                                       leave_one_out=a.leave_one_out,
-                                                       turn_reward_coef=a.turn_reward_coef))
+    adv = compute_advantages(episodes, advantage_config(a))
     # Groups (or hybrid strata) whose ACT advantages are all 0 -- equal rewards, or one episode --
     # carry no signal; the same for the world model's REHEARSE.
     row["zero_signal_groups"] = adv.zero_signal_frac.get("ACT", 0.0)
@@ -187,6 +185,13 @@ def rl_step(run: Run) -> dict:
     row["weight_sync_s"] = sync_generation_weights(run)
     return row
 
+
+
+def advantage_config(a) -> AdvantageConfig:
+    """The advantage settings of `algo` (an AlgoConfig): what rl_step and the signal probe use."""
+    return AdvantageConfig(std_normalize=a.std_normalize, leave_one_out=a.leave_one_out,
+                           turn_reward_coef=a.turn_reward_coef,
+                           gate_rehearse_on_act=a.world_reward.gate == "act_signal")
 
 
 def sft_step(run: Run) -> dict:

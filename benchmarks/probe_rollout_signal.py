@@ -1,0 +1,168 @@
+"""Does an arm's rollout carry training signal from a given checkpoint? Measured before training it.
+
+The learning experiment (benchmarks/bench_learning.py, docs/learning.md) needs the rehearse arm's
+rollouts to pay a mean reward strictly inside (0.05, 0.95) with groups of non-zero advantage (issue
+25); v2's Ca arm did not (1.9%), which only showed after hours of training. This draws exactly the
+rollouts the trainer would draw in its first K RL steps (the arm's config and `--set`s, its tasks,
+seeds, group size, temperature and reward modes; the trainer's own `rollout()`), without any update,
+and reports per checkpoint and arm: mean task reward, the share of groups with zero ACT / REHEARSE
+advantage, the real-environment reward of the same episodes, the malformed share and the world-model
+reward. Every (checkpoint, arm) runs in this one process, side by side.
+
+    python benchmarks/probe_rollout_signal.py --model base=runs/learning_v2/warmup/export \\
+        --model wm=runs/learning_wm/warmup/export --arms R,Ca --steps 4
+
+The pass rule printed per row is the issue's: 0.05 < mean reward < 0.95 and at least one group with
+a non-zero ACT advantage. Without updates the K steps are K independent draws of the starting
+policy: a lower bound on what training sees only if training does not collapse the policy.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, hardware, print_table, write_json  # noqa: E402
+import bench_learning as bl  # noqa: E402
+
+SIGNAL = (0.05, 0.95)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", action="append", required=True, metavar="NAME=PATH",
+                   help="a checkpoint to probe (an HF export dir, or a model.spec name), repeatable")
+    p.add_argument("--arms", default="Ca", help=f"comma list from {bl.KNOWN_ARMS} (S has no rollouts)")
+    p.add_argument("--steps", type=int, default=4, help="RL steps' worth of rollouts (tasks_per_step x group each)")
+    p.add_argument("--config", default="configs/learning_smollm2.yaml")
+    p.add_argument("--level", default="easy@-accounts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra train override for every probe (after the arm's own)")
+    p.add_argument("--show", type=int, default=0, metavar="K",
+                   help="print the first K episodes of each probe as text (after the prompt), with their rewards")
+    p.add_argument("--out", default=str(RESULTS / "rollout_signal"), help="output prefix (.json)")
+    a = p.parse_args(argv)
+    a.arms = [x.strip() for x in a.arms.split(",") if x.strip()]
+    bad = [x for x in a.arms if x not in bl.KNOWN_ARMS or x == "S"]
+    if bad or not a.arms:
+        p.error(f"--arms: {bad or 'empty'} cannot be probed; choose from "
+                f"{[x for x in bl.KNOWN_ARMS if x != 'S']}")
+    models = {}
+    for m in a.model:
+        name, eq, path = m.partition("=")
+        if not eq or not name or not path:
+            p.error(f"--model: expected NAME=PATH, got {m!r}")
+        if Path(path).exists() and not (Path(path) / "config.json").is_file():
+            p.error(f"--model {name}: {path} is not an HF export (no config.json)")
+        if name in models:
+            p.error(f"--model: name {name!r} given twice")
+        models[name] = path
+    a.models = models
+    if a.steps < 1:
+        p.error(f"--steps must be >= 1, got {a.steps}")
+    return a
+
+
+def probe(a, name: str, path: str, arm: str) -> dict:
+    import torch
+    from fastrehearse.algo.advantages import compute_advantages
+    from fastrehearse.train.build import setup
+    from fastrehearse.train.config import load_config
+    from fastrehearse.train.loop import advantage_config
+    from fastrehearse.train.parallelize import init_distributed
+    from fastrehearse.train.rollouts import rollout, rollout_row
+    from fastrehearse.train.tasks import next_tasks, step_seed
+
+    torch.set_num_threads(a.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        sets = [f"env.options.level={a.level}", *bl.V2_SETS, f"run_dir={tmp}", f"model.spec={path}",
+                f"seed={a.seed}", "sft.steps=0", f"steps={a.steps}", "log.progress=false",
+                *bl.ARM_SETS[arm], *a.sets]
+        cfg = load_config(bl.ROOT / a.config, sets)
+        run = setup(cfg, init_distributed("cpu"))
+        c, steps = cfg.rollout, []
+        t0 = time.perf_counter()
+        for step in range(a.steps):    # the trainer's rl_step 1..K tasks and seeds (loop.py), no update
+            tasks = next_tasks(run.train_tasks, step * c.tasks_per_step, c.tasks_per_step, cfg.seed)
+            eps, metrics, failures = rollout(run, tasks, mode=c.mode, temperature=c.temperature,
+                                             seed=step_seed(cfg.seed, step, 0), group_size=c.group_size,
+                                             measure_fidelity=c.measure_fidelity)
+            row = rollout_row(eps, [metrics], 1.0)
+            adv = compute_advantages(eps, advantage_config(cfg.algo))
+            row.update(failures=failures, zero_signal_act=adv.zero_signal_frac.get("ACT", 0.0),
+                       zero_signal_rehearse=adv.zero_signal_frac.get("REHEARSE", 0.0),
+                       groups=adv.num_groups, rewards=[e.reward for e in eps])
+            steps.append(row)
+            for e in eps[:max(0, a.show - sum(len(x["rewards"]) for x in steps[:-1]))]:
+                _show(run.tokenizer, e)
+            print(f"  {name}/{arm} step {step + 1}/{a.steps}: reward {row.get('reward', float('nan')):.3f}, "
+                  f"zero-signal ACT groups {row['zero_signal_act']:.2f}", flush=True)
+        wall = time.perf_counter() - t0
+        run.logger.close()
+    rewards = [r for s in steps for r in s["rewards"]]
+    groups = sum(s["groups"] for s in steps)
+    live = sum(round(s["groups"] * (1 - s["zero_signal_act"])) for s in steps)
+
+    def mean(key):
+        vals = [s[key] for s in steps if key in s]
+        return statistics.fmean(vals) if vals else None
+    out = {"model": name, "path": path, "arm": arm, "episodes": len(rewards),
+           "failures": sum(s["failures"] for s in steps),
+           "reward": statistics.fmean(rewards) if rewards else None,
+           "groups": groups, "groups_with_act_signal": live,
+           "zero_signal_rehearse": mean("zero_signal_rehearse"), "reward_real": mean("reward_real"),
+           "malformed_frac": mean("malformed_frac"), "world_reward": mean("world_reward"),
+           "fidelity": mean("fidelity"), "wall_s": round(wall, 1), "steps": steps}
+    r = out["reward"]
+    out["signal"] = bool(r is not None and SIGNAL[0] < r < SIGNAL[1] and live > 0)
+    return out
+
+
+def _show(tok, ep) -> None:
+    """One episode from its first generated token, roles marked: [ACT] policy, [REH] world model."""
+    from fastrehearse.kernels.roles import Role
+    start = next((i for i, r in enumerate(ep.roles) if r in (int(Role.ACT), int(Role.REHEARSE))), len(ep))
+    parts, i = [], start
+    while i < len(ep):
+        j = i
+        while j < len(ep) and ep.roles[j] == ep.roles[i]:
+            j += 1
+        tag = {int(Role.ACT): "[ACT]", int(Role.REHEARSE): "[REH]"}.get(ep.roles[i], "")
+        parts.append(tag + tok.decode(ep.input_ids[i:j]))
+        i = j
+    wr = ep.metadata.get("world_reward", {}).get("reward")
+    print(f"  --- task {ep.task_id}: reward {ep.reward:.2f}, real {ep.metadata.get('reward_real')}, "
+          f"world {wr if wr is None else round(wr, 3)}\n  " + "".join(parts).replace("\n", "\n  "))
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    rows = []
+    for name, path in a.models.items():
+        for arm in a.arms:
+            print(f"probe {name} / {arm}: {a.steps} steps of rollouts", flush=True)
+            rows.append(probe(a, name, path, arm))
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    cols = ["model", "arm", "episodes", "reward", "ACT groups with signal", "reward_real", "malformed",
+            "world reward", "signal"]
+    print_table(f"rollout signal of the first {a.steps} RL steps, no update (pass: {SIGNAL[0]} < reward < "
+                f"{SIGNAL[1]} and a group with ACT signal)",
+                [dict(zip(cols, [r["model"], r["arm"], r["episodes"], fmt(r["reward"]),
+                                 f"{r['groups_with_act_signal']}/{r['groups']}", fmt(r["reward_real"]),
+                                 fmt(r["malformed_frac"]), fmt(r["world_reward"]),
+                                 "yes" if r["signal"] else "NO"])) for r in rows], cols)
+    write_json(Path(a.out).with_suffix(".json"),
+               {"argv": sys.argv[1:], "signal_window": SIGNAL, "seed": a.seed, "level": a.level,
+                "config": a.config, "sets": a.sets, "hardware": hardware(), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
