@@ -7,14 +7,14 @@ rollouts the trainer would draw in its first K RL steps (the arm's config and `-
 seeds, group size, temperature and reward modes; the trainer's own `rollout()`), without any update,
 and reports per checkpoint and arm: mean task reward, the share of groups with zero ACT / REHEARSE
 advantage, the real-environment reward of the same episodes, the malformed share and the world-model
-reward. Every (checkpoint, arm) runs in this one process, side by side.
+reward. Every (checkpoint, temperature, arm) runs in this one process, side by side.
 
-    python benchmarks/probe_rollout_signal.py --model base=runs/learning_v2/warmup/export \\
-        --model wm=runs/learning_wm/warmup/export --arms R,Ca --steps 4
+    python benchmarks/probe_rollout_signal.py --model warmup=runs/learning_v2/warmup/export \\
+        --arms R,Ca --temperatures 1.0,0.7,0.4 --steps 4
 
 The pass rule printed per row is the issue's: 0.05 < mean reward < 0.95 and at least one group with
-a non-zero ACT advantage. Without updates the K steps are K independent draws of the starting
-policy: a lower bound on what training sees only if training does not collapse the policy.
+a non-zero ACT advantage. Without updates the K steps are K draws from the starting policy: they
+say what training's first steps see, not what later steps see once the policy has moved.
 """
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4, help="RL steps' worth of rollouts (tasks_per_step x group each)")
     p.add_argument("--config", default="configs/learning_smollm2.yaml")
     p.add_argument("--level", default="easy@-accounts")
+    p.add_argument("--temperatures", default=None, metavar="T,...",
+                   help="rollout temperatures to probe side by side (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
@@ -67,10 +69,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.models = models
     if a.steps < 1:
         p.error(f"--steps must be >= 1, got {a.steps}")
+    try:
+        a.temperatures = [None] if a.temperatures is None else [float(t) for t in a.temperatures.split(",")]
+    except ValueError:
+        p.error(f"--temperatures: expected comma-separated numbers, got {a.temperatures!r}")
+    if any(t is not None and not t > 0 for t in a.temperatures):
+        p.error(f"--temperatures must be > 0 (a greedy rollout has no group spread), got {a.temperatures}")
     return a
 
 
-def probe(a, name: str, path: str, arm: str) -> dict:
+def probe(a, name: str, path: str, arm: str, temperature: float | None) -> dict:
     import torch
     from fastrehearse.algo.advantages import compute_advantages
     from fastrehearse.train.build import setup
@@ -84,7 +92,8 @@ def probe(a, name: str, path: str, arm: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         sets = [f"env.options.level={a.level}", *bl.V2_SETS, f"run_dir={tmp}", f"model.spec={path}",
                 f"seed={a.seed}", "sft.steps=0", f"steps={a.steps}", "log.progress=false",
-                *bl.ARM_SETS[arm], *a.sets]
+                *bl.ARM_SETS[arm], *a.sets,
+                *([f"rollout.temperature={temperature}"] if temperature is not None else [])]
         cfg = load_config(bl.ROOT / a.config, sets)
         run = setup(cfg, init_distributed("cpu"))
         c, steps = cfg.rollout, []
@@ -102,7 +111,7 @@ def probe(a, name: str, path: str, arm: str) -> dict:
             steps.append(row)
             for e in eps[:max(0, a.show - sum(len(x["rewards"]) for x in steps[:-1]))]:
                 _show(run.tokenizer, e)
-            print(f"  {name}/{arm} step {step + 1}/{a.steps}: reward {row.get('reward', float('nan')):.3f}, "
+            print(f"  {name}/{arm}/T={c.temperature} step {step + 1}/{a.steps}: reward {row.get('reward', float('nan')):.3f}, "
                   f"zero-signal ACT groups {row['zero_signal_act']:.2f}", flush=True)
         wall = time.perf_counter() - t0
         run.logger.close()
@@ -113,7 +122,8 @@ def probe(a, name: str, path: str, arm: str) -> dict:
     def mean(key):
         vals = [s[key] for s in steps if key in s]
         return statistics.fmean(vals) if vals else None
-    out = {"model": name, "path": path, "arm": arm, "episodes": len(rewards),
+    out = {"model": name, "path": path, "arm": arm, "temperature": cfg.rollout.temperature,
+           "episodes": len(rewards),
            "failures": sum(s["failures"] for s in steps),
            "reward": statistics.fmean(rewards) if rewards else None,
            "groups": groups, "groups_with_act_signal": live,
@@ -146,15 +156,16 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     rows = []
     for name, path in a.models.items():
-        for arm in a.arms:
-            print(f"probe {name} / {arm}: {a.steps} steps of rollouts", flush=True)
-            rows.append(probe(a, name, path, arm))
+        for t in a.temperatures:
+            for arm in a.arms:
+                print(f"probe {name} / {arm} / T={t or 'config'}: {a.steps} steps of rollouts", flush=True)
+                rows.append(probe(a, name, path, arm, t))
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    cols = ["model", "arm", "episodes", "reward", "ACT groups with signal", "reward_real", "malformed",
+    cols = ["model", "arm", "T", "episodes", "reward", "ACT groups with signal", "reward_real", "malformed",
             "world reward", "signal"]
     print_table(f"rollout signal of the first {a.steps} RL steps, no update (pass: {SIGNAL[0]} < reward < "
                 f"{SIGNAL[1]} and a group with ACT signal)",
-                [dict(zip(cols, [r["model"], r["arm"], r["episodes"], fmt(r["reward"]),
+                [dict(zip(cols, [r["model"], r["arm"], r["temperature"], r["episodes"], fmt(r["reward"]),
                                  f"{r['groups_with_act_signal']}/{r['groups']}", fmt(r["reward_real"]),
                                  fmt(r["malformed_frac"]), fmt(r["world_reward"]),
                                  "yes" if r["signal"] else "NO"])) for r in rows], cols)

@@ -14,10 +14,10 @@ import probe_rollout_signal as probe  # noqa: E402
 def test_probe_reports_the_arms_rollout_signal(tmp_path, capsys):
     out = tmp_path / "sig"
     rc = probe.main(["--model", "tiny=tiny-llama", "--config", "configs/learning_tiny.yaml", "--arms", "Ca,Cag",
-                     "--steps", "1", "--show", "1", "--out", str(out)])
+                     "--temperatures", "0.9", "--steps", "1", "--show", "1", "--out", str(out)])
     assert rc == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert [r["arm"] for r in rows] == ["Ca", "Cag"]
+    assert [(r["arm"], r["temperature"]) for r in rows] == [("Ca", 0.9), ("Cag", 0.9)]
     for r in rows:
         step = r["steps"][0]
         assert r["episodes"] == len(step["rewards"]) == 4 - r["failures"]     # 2 tasks x group 2
@@ -38,6 +38,8 @@ def test_probe_reports_the_arms_rollout_signal(tmp_path, capsys):
     (["--model", "tiny-llama"], "NAME=PATH"),
     (["--model", "a=tiny-llama", "--model", "a=tiny-llama"], "given twice"),
     (["--model", "a=tiny-llama", "--steps", "0"], "--steps"),
+    (["--model", "a=tiny-llama", "--temperatures", "0.5,0"], "must be > 0"),
+    (["--model", "a=tiny-llama", "--temperatures", "hot"], "comma-separated numbers"),
 ])
 def test_probe_refuses_bad_arguments(argv, msg, capsys):
     with pytest.raises(SystemExit):
