@@ -122,7 +122,8 @@ def probe(a, name: str, path: str, arm: str, temperature: float | None) -> dict:
     def mean(key):
         vals = [s[key] for s in steps if key in s]
         return statistics.fmean(vals) if vals else None
-    out = {"model": name, "path": path, "arm": arm, "temperature": cfg.rollout.temperature,
+    sha = bl.weights_sha256(Path(path)) if (Path(path) / "config.json").is_file() else None
+    out = {"model": name, "path": path, "weights_sha256": sha, "arm": arm, "temperature": cfg.rollout.temperature,
            "episodes": len(rewards),
            "failures": sum(s["failures"] for s in steps),
            "reward": statistics.fmean(rewards) if rewards else None,
