@@ -49,7 +49,7 @@ SECONDARY = [("Ca", "Cc", "reh_schema"), ("Ca", "Cc", "reh_hidden"), ("H", "Ca",
              ("H", "Ca", "answer_seen"), ("R", "S", "answer_seen"), ("Ca", "S", "answer_seen"),
              ("Ca", "Cc", "call_heldout"), ("Ca", "Cc", "answer_heldout"), ("Ca", "Cc", "tf_answer"),
              ("Ca", "R", "tf_answer"), ("Ca", "Cc", "tf_value"), ("Ca", "R", "tf_value"),
-             ("Ca", "Cc", "answer_drift")]
+             ("Ca", "Cc", "answer_drift"), ("Cag", "Ca", "answer_seen"), ("Cag", "Ca", "call_seen")]
 
 
 # ---- reading one checkpoint --------------------------------------------------------------------
