@@ -17,6 +17,8 @@ same optimizer steps, learning rate and trajectories per step:
   S   SFT only on gold trajectories: the same optimizer steps, lr and trajectories per step
   Hw0, Hg0  (only when named in --arms) H with w_observed 0 / with grounded_weight 0: which term
       drove H's collapse
+  Cag  (only when named) Ca with the world-model reward gated on ACT signal
+      (algo.world_reward.gate=act_signal): without ACT signal the world-model reward alone moved Ca
 Then per checkpoint (the warm-up's too): `fastrehearse eval` (real tools, greedy) on the seen
 families' held-out tasks (answer-checked; call success rescored from the same episodes), the
 held-out `accounts` family (answers are copies of a tool field: call and answer success), the seen

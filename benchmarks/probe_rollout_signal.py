@@ -12,6 +12,9 @@ reward. Every (checkpoint, temperature, arm) runs in this one process, side by s
     python benchmarks/probe_rollout_signal.py --model warmup=runs/learning_v2/warmup/export \\
         --arms R,Ca --temperatures 1.0,0.7,0.4 --steps 4
 
+One seed (`--seed`, the trainer's `seed`): another seed draws other tasks and samples (v2's Ca
+had reward 5.6% on seed 0 and exactly 0 on seeds 1 and 2), so probe the seeds you will train.
+
 The pass rule printed per row is the issue's: 0.05 < mean reward < 0.95 and at least one group with
 a non-zero ACT advantage. Without updates the K steps are K draws from the starting policy: they
 say what training's first steps see, not what later steps see once the policy has moved.
@@ -95,8 +98,8 @@ def probe(a, name: str, path: str, arm: str, temperature: float | None) -> dict:
                 *bl.ARM_SETS[arm], *a.sets,
                 *([f"rollout.temperature={temperature}"] if temperature is not None else [])]
         cfg = load_config(bl.ROOT / a.config, sets)
-        run = setup(cfg, init_distributed("cpu"))
-        c, steps = cfg.rollout, []
+        run = setup(cfg, init_distributed(cfg.device))
+        c, steps, kept = cfg.rollout, [], []
         t0 = time.perf_counter()
         for step in range(a.steps):    # the trainer's rl_step 1..K tasks and seeds (loop.py), no update
             tasks = next_tasks(run.train_tasks, step * c.tasks_per_step, c.tasks_per_step, cfg.seed)
@@ -107,30 +110,34 @@ def probe(a, name: str, path: str, arm: str, temperature: float | None) -> dict:
             adv = compute_advantages(eps, advantage_config(cfg.algo))
             row.update(failures=failures, zero_signal_act=adv.zero_signal_frac.get("ACT", 0.0),
                        zero_signal_rehearse=adv.zero_signal_frac.get("REHEARSE", 0.0),
-                       groups=adv.num_groups, rewards=[e.reward for e in eps])
+                       groups=adv.num_groups, act_signal_groups=adv.act_signal_groups,
+                       rewards=[e.reward for e in eps])
             steps.append(row)
+            kept += eps
             for e in eps[:max(0, a.show - sum(len(x["rewards"]) for x in steps[:-1]))]:
                 _show(run.tokenizer, e)
             print(f"  {name}/{arm}/T={c.temperature} step {step + 1}/{a.steps}: reward {row.get('reward', float('nan')):.3f}, "
                   f"zero-signal ACT groups {row['zero_signal_act']:.2f}", flush=True)
         wall = time.perf_counter() - t0
         run.logger.close()
-    rewards = [r for s in steps for r in s["rewards"]]
-    groups = sum(s["groups"] for s in steps)
-    live = sum(round(s["groups"] * (1 - s["zero_signal_act"])) for s in steps)
+    rewards = [e.reward for e in kept]
+    live = sum(s["act_signal_groups"] for s in steps)
 
-    def mean(key):
-        vals = [s[key] for s in steps if key in s]
-        return statistics.fmean(vals) if vals else None
+    def mean(xs):     # over episodes (a step with failures weighs less), None when none has it
+        xs = [float(x) for x in xs if x is not None]
+        return statistics.fmean(xs) if xs else None
     sha = bl.weights_sha256(Path(path)) if (Path(path) / "config.json").is_file() else None
     out = {"model": name, "path": path, "weights_sha256": sha, "arm": arm, "temperature": cfg.rollout.temperature,
-           "episodes": len(rewards),
+           "seed": cfg.seed, "episodes": len(rewards),
            "failures": sum(s["failures"] for s in steps),
-           "reward": statistics.fmean(rewards) if rewards else None,
-           "groups": groups, "groups_with_act_signal": live,
-           "zero_signal_rehearse": mean("zero_signal_rehearse"), "reward_real": mean("reward_real"),
-           "malformed_frac": mean("malformed_frac"), "world_reward": mean("world_reward"),
-           "fidelity": mean("fidelity"), "wall_s": round(wall, 1), "steps": steps}
+           "reward": mean(rewards),
+           "groups": sum(s["groups"] for s in steps), "groups_with_act_signal": live,
+           "zero_signal_rehearse": statistics.fmean(s["zero_signal_rehearse"] for s in steps),
+           "reward_real": mean(e.metadata.get("reward_real") for e in kept),
+           "malformed_frac": mean(bool(e.metadata.get("malformed")) for e in kept),
+           "world_reward": mean(e.metadata.get("world_reward", {}).get("reward") for e in kept),
+           "fidelity": mean(f["field_f1"] for e in kept for f in e.metadata.get("fidelity", [])),
+           "wall_s": round(wall, 1), "steps": steps}
     r = out["reward"]
     out["signal"] = bool(r is not None and SIGNAL[0] < r < SIGNAL[1] and live > 0)
     return out

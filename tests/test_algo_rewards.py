@@ -260,6 +260,7 @@ def test_world_reward_gated_on_act_signal():
     assert [e.advantages for e in gated] == [[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0],
                                              [0.0, 0.5, pytest.approx(0.3), 0.5], [0.0, -0.5, pytest.approx(-0.3), -0.5]]
     assert st.zero_signal_frac == {"ACT": 0.5, "REHEARSE": 0.5}
+    assert st.act_signal_groups == 1
     # turn-level REHEARSE spans of a gated group are dropped too
     e = eps()[:2]
     e[0].metadata["turn_rewards"] = [(2, 3, 1.0)]
@@ -270,8 +271,8 @@ def test_world_reward_gated_on_act_signal():
     h = eps()[:2]
     h[0].metadata["stratum"], h[1].metadata["stratum"] = "real", "rehearsed"
     h[0].reward = 1.0
-    compute_advantages(h, AdvantageConfig(gate_rehearse_on_act=True))
-    assert h[0].advantages == [0.0] * 4
+    sh = compute_advantages(h, AdvantageConfig(gate_rehearse_on_act=True))
+    assert h[0].advantages == [0.0] * 4 and sh.act_signal_groups == 0
     # the config key reaches the advantages; a bad value is refused by name
     assert advantage_config(AlgoConfig(world_reward=WorldRewardConfig(mode="world", gate="act_signal"))).gate_rehearse_on_act
     assert not advantage_config(AlgoConfig()).gate_rehearse_on_act

@@ -23,7 +23,10 @@ def test_probe_reports_the_arms_rollout_signal(tmp_path, capsys):
         assert r["episodes"] == len(step["rewards"]) == 4 - r["failures"]     # 2 tasks x group 2
         assert r["reward"] == pytest.approx(sum(step["rewards"]) / len(step["rewards"]))
         assert all(x in (0.0, 1.0) for x in step["rewards"])                  # consistent: 0 or 1 (or malformed 0)
-        assert r["groups"] == 2 and 0 <= r["groups_with_act_signal"] <= 2
+        assert r["groups"] == 2 and r["groups_with_act_signal"] == step["act_signal_groups"] <= 2
+        # a group has ACT signal iff its two rewards differ (no strata in rehearse mode)
+        assert r["groups_with_act_signal"] == sum(step["rewards"][i] != step["rewards"][i + 1] for i in (0, 2)) \
+            or r["failures"]
         # the pass rule, recomputed
         assert r["signal"] == (0.05 < r["reward"] < 0.95 and r["groups_with_act_signal"] > 0)
         assert "world_reward" in r    # mode world: REHEARSE scored

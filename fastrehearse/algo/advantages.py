@@ -80,6 +80,8 @@ class AdvantageStats:
     # Share of the baseline groups of a role (task groups, or (task, stratum) groups for a
     # stratified ACT) that give every member advantage 0: equal rewards, or a single member.
     zero_signal_frac: dict[str, float] = field(default_factory=dict)
+    # Task groups where some ACT stratum has unequal rewards (what the REHEARSE gate reads).
+    act_signal_groups: int = 0
 
 
 def group_advantages(rewards: torch.Tensor, *, std_normalize: bool = False,
@@ -179,6 +181,7 @@ def compute_advantages(episodes: list[Episode], config: AdvantageConfig | None =
                 for a, i in zip(adv.tolist(), sub):
                     per_token[i][masks[i]] = a
                     abs_adv[role.name].append(abs(a))
+        stats.act_signal_groups += int(act_signal)
         _add_turn_advantages(episodes, idx, per_token, cfg, tuple(r for r in roles if int(r) not in gated))
 
     for i, ep in enumerate(episodes):
