@@ -261,6 +261,9 @@ def test_world_reward_gated_on_act_signal():
                                              [0.0, 0.5, pytest.approx(0.3), 0.5], [0.0, -0.5, pytest.approx(-0.3), -0.5]]
     assert st.zero_signal_frac == {"ACT": 0.5, "REHEARSE": 0.5}
     assert st.act_signal_groups == 1
+    # a group where REHEARSE never acted (both calls malformed, say) carries no REHEARSE signal
+    none = [_episode("m", [C, A], 0.0), _episode("m", [C, A], 1.0)]
+    assert compute_advantages(none).zero_signal_frac == {"ACT": 0.0, "REHEARSE": 1.0}
     # turn-level REHEARSE spans of a gated group are dropped too
     e = eps()[:2]
     e[0].metadata["turn_rewards"] = [(2, 3, 1.0)]

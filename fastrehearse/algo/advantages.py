@@ -78,7 +78,8 @@ class AdvantageStats:
     mean_reward: dict[str, float] = field(default_factory=dict)
     mean_abs_adv: dict[str, float] = field(default_factory=dict)
     # Share of the baseline groups of a role (task groups, or (task, stratum) groups for a
-    # stratified ACT) that give every member advantage 0: equal rewards, or a single member.
+    # stratified ACT) that give every member advantage 0: equal rewards, a single member, or no
+    # member (the role never acted in the group: every episode's call was malformed, say).
     zero_signal_frac: dict[str, float] = field(default_factory=dict)
     # Task groups where some ACT stratum has unequal rewards (what the REHEARSE gate reads).
     act_signal_groups: int = 0
@@ -155,8 +156,9 @@ def compute_advantages(episodes: list[Episode], config: AdvantageConfig | None =
         for role in roles:
             masks = {i: role_t[i] == int(role) for i in idx}
             members = [i for i in idx if bool(masks[i].any())]   # g_r
-            if not members:
+            if not members:              # the role never acted in this group: no signal either
                 n_groups[role.name] += 1
+                zero_signal[role.name] += 1
                 continue
             gate = cfg.gate_rehearse_on_act and role == Role.REHEARSE and not act_signal
             if gate:
