@@ -19,6 +19,7 @@ same optimizer steps, learning rate and trajectories per step:
       drove H's collapse
   Cag  (only when named) Ca with the world-model reward gated on ACT signal
       (algo.world_reward.gate=act_signal): without ACT signal the world-model reward alone moved Ca
+  Calr (only when named) Ca at lr 2e-5: the lr scaled by the rollout temperature 0.4
 Then per checkpoint (the warm-up's too): `fastrehearse eval` (real tools, greedy) on the seen
 families' held-out tasks (answer-checked; call success rescored from the same episodes), the
 held-out `accounts` family (answers are copies of a tool field: call and answer success), the seen
@@ -79,6 +80,10 @@ ABLATIONS = {   # arm: (name, the arm it ablates, its extra --sets)
     "Hw0": ("H without CE on real responses (w_observed 0)", "H", ["algo.loss.w_observed=0.0"]),
     "Hg0": ("H without the grounded world reward (grounded_weight 0)", "H", ["algo.world_reward.grounded_weight=0.0"]),
     "Cag": ("Ca with the world-model reward gated on ACT signal", "Ca", ["algo.world_reward.gate=act_signal"]),
+    # At rollout temperature T the trained log-probs are of softmax(z / T): a weight step moves the
+    # sampled distribution's logits 1/T times as far as at T = 1. Ca at lr 2e-5 = 5e-5 x 0.4 tests
+    # whether the collapses of the T = 0.4 runs are that larger effective step (docs/learning.md).
+    "Calr": ("Ca at lr 2e-5 (5e-5 x T for T = 0.4)", "Ca", ["optim.lr=2e-05"]),
 }
 for _arm, (_name, _base, _sets) in ABLATIONS.items():   # later --set wins: the ablated term after the arm's own
     ARM_NAMES[_arm], ARM_SETS[_arm], DEFAULT_SEEDS[_arm] = _name, [*ARM_SETS[_base], *_sets], 1
