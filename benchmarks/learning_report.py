@@ -519,9 +519,13 @@ def write_png(res: dict, path: Path) -> None:
             ax.plot([100 * b["lo"], 100 * b["hi"]], [y - 0.12] * 2, color="C1", lw=2)
         ax.plot([100 * w["diff"]], [y], "ko", ms=4)
     ax.axvline(0, color="grey", lw=0.8)
+    # A difference of two rates lies in [-100, 100] pp; a 2-seed Welch interval can reach +-300 and
+    # would squash every other bar, so the axis stops there (the JSON / MD hold the full interval).
+    ax.set_xlim(-105, 105)
     ax.set_yticks(range(len(cs)))
     ax.set_yticklabels([f"{c['a']}-{c['b']} {c['metric']}" for c in cs], fontsize=7)
-    ax.set_xlabel("difference, percentage points (blue: Welch 95% CI over seeds; orange: bootstrap)")
+    ax.set_xlabel("difference, percentage points (blue: Welch 95% CI over seeds; orange: bootstrap; "
+                  "axis cut at +-105)", fontsize=8)
     ax.set_title("contrasts")
     for ax, key, title in ((axes[1][0], "reward", "trained reward per RL step (mean over seeds)"),
                            (axes[1][1], "reward_real", "real-world reward of the same rollouts")):
