@@ -103,19 +103,20 @@ def probe(a, name: str, path: str, arm: str, temperature: float | None) -> dict:
         t0 = time.perf_counter()
         for step in range(a.steps):    # the trainer's rl_step 1..K tasks and seeds (loop.py), no update
             tasks = next_tasks(run.train_tasks, step * c.tasks_per_step, c.tasks_per_step, cfg.seed)
+            t_step = time.perf_counter()
             eps, metrics, failures = rollout(run, tasks, mode=c.mode, temperature=c.temperature,
                                              seed=step_seed(cfg.seed, step, 0), group_size=c.group_size,
                                              measure_fidelity=c.measure_fidelity)
-            row = rollout_row(eps, [metrics], 1.0)
+            row = rollout_row(eps, [metrics], time.perf_counter() - t_step)
             adv = compute_advantages(eps, advantage_config(cfg.algo))
             row.update(failures=failures, zero_signal_act=adv.zero_signal_frac.get("ACT", 0.0),
                        zero_signal_rehearse=adv.zero_signal_frac.get("REHEARSE", 0.0),
                        groups=adv.num_groups, act_signal_groups=adv.act_signal_groups,
                        rewards=[e.reward for e in eps])
             steps.append(row)
-            kept += eps
-            for e in eps[:max(0, a.show - sum(len(x["rewards"]) for x in steps[:-1]))]:
+            for e in eps[:max(0, a.show - len(kept))]:
                 _show(run.tokenizer, e)
+            kept += eps
             print(f"  {name}/{arm}/T={c.temperature} step {step + 1}/{a.steps}: reward {row.get('reward', float('nan')):.3f}, "
                   f"zero-signal ACT groups {row['zero_signal_act']:.2f}", flush=True)
         wall = time.perf_counter() - t0

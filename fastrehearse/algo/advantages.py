@@ -152,7 +152,7 @@ def compute_advantages(episodes: list[Episode], config: AdvantageConfig | None =
                          f"ACT's signal first), got {[r.name for r in roles]}")
     for idx in groups.values():
         act_signal = False     # some ACT stratum of this group has unequal rewards
-        gated: set[int] = set()
+        rehearse_gated = False
         for role in roles:
             masks = {i: role_t[i] == int(role) for i in idx}
             members = [i for i in idx if bool(masks[i].any())]   # g_r
@@ -161,8 +161,7 @@ def compute_advantages(episodes: list[Episode], config: AdvantageConfig | None =
                 zero_signal[role.name] += 1
                 continue
             gate = cfg.gate_rehearse_on_act and role == Role.REHEARSE and not act_signal
-            if gate:
-                gated.add(int(role))
+            rehearse_gated = rehearse_gated or gate
             strata = [members]
             if role == Role.ACT and any("stratum" in episodes[i].metadata for i in members):
                 keys = sorted({str(episodes[i].metadata.get("stratum")) for i in members})
@@ -184,7 +183,8 @@ def compute_advantages(episodes: list[Episode], config: AdvantageConfig | None =
                     per_token[i][masks[i]] = a
                     abs_adv[role.name].append(abs(a))
         stats.act_signal_groups += int(act_signal)
-        _add_turn_advantages(episodes, idx, per_token, cfg, tuple(r for r in roles if int(r) not in gated))
+        _add_turn_advantages(episodes, idx, per_token, cfg,
+                             tuple(r for r in roles if not (rehearse_gated and r == Role.REHEARSE)))
 
     for i, ep in enumerate(episodes):
         ep.advantages = per_token[i].tolist()
