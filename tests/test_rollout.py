@@ -5,6 +5,7 @@ rarely, so most tests bias them towards a scripted call / response / answer with
 (fastrehearse.rollout.testing.ScriptedBias, ~1-2% deviation per token): episodes mix well-formed
 calls with deviations that become malformed calls or truncated turns.
 """
+import json
 import math
 
 import pytest
@@ -60,6 +61,20 @@ def runs_of(roles):
     return out
 
 
+def _is_error_run(text: str, texts: dict) -> bool:
+    """A CONTEXT run holding malformed-call error texts (toolcall.malformed_response) between
+    pieces of the template's own scaffolding."""
+    pieces, n_err = [], 0
+    while (i := text.find('{"error"')) >= 0:
+        obj, end = json.JSONDecoder().raw_decode(text[i:])
+        if set(obj) != {"error", "message"}:
+            return False
+        pieces.append(text[:i])
+        text, n_err = text[i + end:], n_err + 1
+    pieces.append(text)
+    return n_err > 0 and all(p == "" or any(p in t for t in texts.values()) for p in pieces)
+
+
 def check_episode(ep, tmpl, cfg):
     tok = tmpl.tokenizer
     n = len(ep.input_ids)
@@ -81,15 +96,16 @@ def check_episode(ep, tmpl, cfg):
         elif role == Role.ACT:  # right after the assistant-open scaffolding
             assert before.endswith(texts["generation_prompt"][-8:]) or \
                 before.endswith(texts["tool_to_assistant"][-8:]), before
-        elif role == Role.CONTEXT:  # inserted scaffolding is (a tail of) the template's own text
+        elif role == Role.CONTEXT:  # inserted scaffolding is (a tail of) the template's own text,
+            # or scaffolding around a malformed call's forced error text (the engine's, not an env's)
             text = tok.decode(ep.input_ids[s:e])
-            assert any(text in t for t in texts.values()), text
+            assert any(text in t for t in texts.values()) or _is_error_run(text, texts), text
         elif role == Role.OBSERVED:
             assert any(before.endswith(t) for t in tool_open_tails), before
     assert ep.metadata["stop_reason"] in STOPS
     modes = [c["mode"] for c in ep.metadata["calls"]]
-    if Role.OBSERVED in ep.roles:
-        assert {"real", "error"} & set(modes)
+    if Role.OBSERVED in ep.roles:  # only executed calls' responses; an error text is CONTEXT
+        assert "real" in modes
     if Role.REHEARSE in ep.roles:
         assert "rehearse" in modes
     if ep.metadata["malformed"] and cfg.malformed_reward is not None:
@@ -226,9 +242,10 @@ def test_malformed_calls_are_outcomes(llama):
                 assert ep.reward == 0.0
                 if outcome == "end_episode":
                     assert ep.metadata["stop_reason"] == "malformed" and Role.OBSERVED not in ep.roles
-                else:
+                else:  # the error text is forced, tagged CONTEXT: no environment wrote it
                     assert "unknown_tool" in tok.decode([t for t, r in zip(ep.input_ids, ep.roles)
-                                                         if r == Role.OBSERVED])
+                                                         if r == Role.CONTEXT][ep.metadata["prompt_tokens"]:])
+                    assert Role.OBSERVED not in ep.roles
 
 
 def test_private_rehearsal_from_prefix(llama):

@@ -8,7 +8,8 @@ decode.py) runs the requests on a backend and hands each finished segment back (
   policy turn (ACT)  --turn ends, calls parsed-->  force "close assistant + open tool turn"
      per call:  rehearse  -> the same model writes the response (REHEARSE) until the tool-turn end
                 real      -> env.execute(call); its text is forced (OBSERVED)
-                malformed -> an error message is forced (OBSERVED), or the episode ends
+                malformed -> an error message is forced (CONTEXT: the engine wrote it, no
+                             environment did), or the episode ends
      force "close tool + reopen assistant"  -->  next policy turn
   a text reply (no calls) -> env.next_user_message(reply):
      a user message -> rendered with the chat template and forced (CONTEXT) -> next policy turn
@@ -294,7 +295,12 @@ class Row:
                 content = self._execute(pc)
                 self.call_log.append({"name": pc.call.name, "mode": "real", "error_kind": None})
             self.traj.messages.append({"role": "tool", "content": content, "rehearsed": False})
-            if not self.force(self.tmpl.encode(content), Role.OBSERVED):
+            # OBSERVED is a real environment's response: the world model's supervised target
+            # (w_observed). The malformed-call error is the engine's text, so it is CONTEXT -- as
+            # OBSERVED, a CE on it trained the model on its own broken turns' errors (H's collapse,
+            # docs/learning.md).
+            role = Role.CONTEXT if mode == "error" else Role.OBSERVED
+            if not self.force(self.tmpl.encode(content), role):
                 return
             self._close_tool_response(None)
 

@@ -153,7 +153,7 @@ def parse_one(raw: str, tools: dict[str, dict] | None) -> ParsedCall:
 
 def malformed_response(pc: ParsedCall) -> str:
     """The tool-response text the agent sees for a malformed call: one text for training and
-    evaluation (the engine forces it as an OBSERVED tool response)."""
+    evaluation (the engine forces it as the tool response, tagged CONTEXT: no environment wrote it)."""
     return json.dumps({"error": pc.error_kind, "message": pc.error}, ensure_ascii=False)
 
 
