@@ -75,6 +75,28 @@ def test_consistent_answer_kinds(tool, response, answer, want):
     assert EASY.task_reward(task, _traj(task, response, answer), "consistent") == want
 
 
+def test_a_pasted_tool_response_is_not_an_answer():
+    """A final message that copies a tool response back (the calls-only arm of the v3 learning run
+    learned this) fails the answer check in every mode that has one; before 2026-12-06 it passed
+    whenever the value was a word in the paste or a number after `": "`. Quoting the value in a
+    sentence still passes."""
+    task = _easy("get_order_status")
+    oid = task.payload["required_calls"][0]["arguments"]["order_id"]
+    status = task.payload["answer"]["value"]
+    content = json.dumps({"order_id": oid, "status": status}, separators=(",", ":"))
+    for answer in (f"<tool_response>\n{content}\n</tool_response>",          # verbatim, in tags
+                   json.dumps({"order_id": oid, "status": status}, indent=2),  # re-spaced: same object
+                   f"Result: {content}"):
+        assert _modes(task, _traj(task, content, answer, rehearsed=False)) == {"real": 0.0, "calls": 1.0, "consistent": 0.0}
+    assert _modes(task, _traj(task, content, f"The order is {status}.", rehearsed=False)) == \
+        {"real": 1.0, "calls": 1.0, "consistent": 1.0}
+    task = _easy("get_balance")
+    aid = task.payload["required_calls"][0]["arguments"]["account_id"]
+    response = {"account_id": aid, "balance": 1234.56, "currency": "USD"}
+    assert EASY.task_reward(task, _traj(task, response, json.dumps(response)), "consistent") == 0.0
+    assert EASY.task_reward(task, _traj(task, response, "The balance is 1234.56 USD."), "consistent") == 1.0
+
+
 def test_consistent_calls_are_gold_calls_without_execution():
     task = _easy("check_stock")
     sku = task.payload["required_calls"][0]["arguments"]["sku"]

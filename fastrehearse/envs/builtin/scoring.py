@@ -9,7 +9,11 @@ check in payload["checks"] passes, else 0.0:
   state   the database after those calls equals the gold final database (exact digest; so an extra
           transfer or a duplicated order fails);
   answer  the final assistant message contains the answer (numbers within tolerance, ids as a whole
-          word, a status/location naming exactly the right option).
+          word, a status/location naming exactly the right option). A final message that pastes one
+          of the episode's tool responses back (its text verbatim, or a JSON object equal to it) is
+          not an answer and fails in every mode: until 2026-12-06 such a paste passed when the value
+          was a word in it (`{"status":"shipped"}`) and failed when it was a number after a colon,
+          and the calls-only control of docs/learning.md learned to answer that way.
 
 `calls`: the same without the answer check (the rehearse-calls reward of docs/learning.md).
 
@@ -50,6 +54,40 @@ _NUM = re.compile(r"(?<![\w.:/-])-?\d+(?:,\d{3})*(?:\.\d+)?(?!\d|[:/.,-]\d)")
 
 def numbers_in(text: str) -> list[float]:
     return [float(m.group().replace(",", "")) for m in _NUM.finditer(text)]
+
+
+def _json_objects(text: str) -> list:
+    """Every JSON object that starts at a '{' of `text` and parses (a pasted response may sit inside
+    tags or prose)."""
+    dec, found = json.JSONDecoder(), []
+    for m in re.finditer(r"\{", text):
+        try:
+            found.append(dec.raw_decode(text, m.start())[0])
+        except (ValueError, RecursionError):
+            continue
+    return found
+
+
+def pastes_a_response(text: str, trajectory: Trajectory) -> bool:
+    """Whether the answer `text` copies one of the episode's tool responses (real or rehearsed):
+    its content verbatim, or a JSON object equal to the response's parsed object."""
+    responses = [m.get("content") for m in trajectory.messages
+                 if isinstance(m, dict) and m.get("role") == "tool" and isinstance(m.get("content"), str)]
+    # 8+ characters: a bare "{}" or "[]" response is not a paste an answer could be caught by
+    responses = [r.strip() for r in responses if len(r.strip()) >= 8]
+    if not responses or not text:
+        return False
+    if any(r in text for r in responses):
+        return True
+    parsed = [o for o in (_load(r) for r in responses) if isinstance(o, dict) and o]
+    return bool(parsed) and any(o in parsed for o in _json_objects(text))
+
+
+def answer_of(trajectory: Trajectory) -> str:
+    """The final answer the answer check reads: `final_answer_of`, or "" when it pastes a tool
+    response (see the module docstring)."""
+    text = final_answer_of(trajectory)
+    return "" if pastes_a_response(text, trajectory) else text
 
 
 def check_answer(spec: dict | None, text: str) -> bool:
@@ -105,7 +143,7 @@ def score(payload: dict, trajectory: Trajectory, mode: str = "real") -> float:
         return 0.0
     if "state" in checks and state_digest(world) != payload["state_digest"]:
         return 0.0
-    if mode == "real" and "answer" in checks and not check_answer(payload["answer"], final_answer_of(trajectory)):
+    if mode == "real" and "answer" in checks and not check_answer(payload["answer"], answer_of(trajectory)):
         return 0.0
     return 1.0
 
@@ -184,6 +222,6 @@ def score_consistent(payload: dict, trajectory: Trajectory) -> float:
             return 0.0
     if "answer" in checks and payload["answer"] is not None:
         spec = episode_answer_spec(payload["answer"], exchanges_of(trajectory.messages))
-        if spec is None or not check_answer(spec, final_answer_of(trajectory)):
+        if spec is None or not check_answer(spec, answer_of(trajectory)):
             return 0.0
     return 1.0
