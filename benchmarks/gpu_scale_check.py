@@ -117,4 +117,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fastrehearse.cli import worker_exit   # a torchrun worker skips interpreter finalization
+    sys.exit(worker_exit(main()))

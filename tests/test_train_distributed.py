@@ -77,3 +77,34 @@ def test_two_nodes_on_loopback(single, tmp_path):
             time.sleep(3)
     _check(procs)
     _compare(single, torch.load(out))
+
+
+_EXIT_PROBE = """
+import atexit, sys, threading, time
+from pathlib import Path
+from fastrehearse.cli import worker_exit
+d = Path(sys.argv[1])
+class Finalized:                      # a module global: only interpreter finalization deletes it
+    def __del__(self):
+        print("finalized", flush=True)
+keep = Finalized()
+atexit.register(lambda: (d / "atexit").write_text("ran"))
+threading.Thread(target=lambda: (time.sleep(0.3), (d / "thread").write_text("joined"))).start()
+sys.stdout.write("buffered ")          # no newline, no flush: must still come out
+sys.exit(worker_exit(3) + 100)         # a torchrun worker never gets past worker_exit
+"""
+
+
+@pytest.mark.parametrize("torchrun", [True, False])
+def test_worker_exit_skips_finalization_only_under_torchrun(torchrun, tmp_path):
+    """A finished torchrun worker leaves without interpreter finalization (where torch's threads have
+    crashed ranks whose work was saved), yet keeps its exit code, joins its threads, runs its atexit
+    handlers and flushes stdout. Outside torchrun the code comes back and Python exits as usual."""
+    env = {k: v for k, v in ENV.items() if k not in ("TORCHELASTIC_RUN_ID", "GROUP_RANK")}
+    if torchrun:
+        env["TORCHELASTIC_RUN_ID"] = "probe"
+    p = subprocess.run([sys.executable, "-c", _EXIT_PROBE, str(tmp_path)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == (3 if torchrun else 103), p.stderr[-2000:]
+    assert p.stdout == ("buffered " if torchrun else "buffered finalized\n")
+    assert (tmp_path / "atexit").read_text() == "ran" and (tmp_path / "thread").read_text() == "joined"

@@ -25,6 +25,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -64,7 +65,8 @@ def resolve_device(pref: str, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def _launched_by_torchrun() -> bool:
+def launched_by_torchrun() -> bool:
+    """This process is a torchrun (torch.distributed.run) worker."""
     return "TORCHELASTIC_RUN_ID" in os.environ or "GROUP_RANK" in os.environ
 
 
@@ -84,7 +86,7 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(device_pref, local_rank)
-    if world <= 1 and device.type != "cuda" and not _launched_by_torchrun():
+    if world <= 1 and device.type != "cuda" and not launched_by_torchrun():
         return DistInfo(0, 1, 0, device, None)
     if world <= 1:   # one GPU without torchrun: a 1-rank group of the same kind a node uses
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -116,6 +118,31 @@ def destroy_distributed(sync: bool = True) -> None:
         if sync:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_worker(rc: int) -> NoReturn:
+    """End a torchrun worker with exit code `rc`, skipping the interpreter's finalization.
+
+    Why: torch's C++ threads (gloo's workers, the autograd engine's) can outlive
+    destroy_process_group() through objects torch keeps, and race the GIL's teardown during
+    Py_FinalizeEx (pytorch issue 190489). Under load a rank whose work was done and saved has died
+    there -- SIGSEGV, or SIGABRT "terminate called without an active exception" -- and torchrun then
+    reported the whole job failed. What exit must still do is done first, while the interpreter
+    is whole: non-daemon threads joined, atexit handlers run, stdio flushed. Call it only on the
+    way out of a torchrun entry point, after the group is destroyed; an uncaught exception keeps
+    Python's normal exit (its traceback and code are the report)."""
+    import atexit
+    import threading
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):   # closed or broken pipe: nothing left to save
+            pass
+    os._exit(rc)
 
 
 def mixed_precision(precision: str, device: torch.device):
