@@ -406,7 +406,7 @@ def write_md(res: dict, path: Path) -> None:
         res = {**res, "metrics": {k: v for k, v in res["metrics"].items() if k != "answer_drift"},
                "contrasts": {k: [c for c in v if c["metric"] != "answer_drift"] for k, v in res["contrasts"].items()}}
     tiny = " (TINY random model: pipeline check, not a result)" if res["tiny"] else ""
-    lines = [f"# Learning experiment v2{tiny}", "", f"{res['what']}.", "",
+    lines = [f"# Learning experiment {path.stem}{tiny}", "", f"{res['what']}.", "",
              f"Hardware: {res['hardware']['cpu']} ({res['hardware']['cpu_cores']} cores, shared), torch "
              f"{res['hardware']['torch']}. Level `{res['level']}`; seeds {p['seeds']}; {p['steps_per_arm']} "
              f"optimizer steps per arm after {p['warmup_sft_steps']} warm-up SFT steps; {p['tasks_per_step']} tasks x "
@@ -544,7 +544,7 @@ def write_png(res: dict, path: Path) -> None:
         if ax.lines:
             ax.legend(fontsize=8)
     fig.suptitle(("TINY random model (pipeline check) -- " if res["tiny"] else "")
-                 + f"learning v2, {res['hardware']['cpu']}, {res['plan']['steps_per_arm']} steps per arm")
+                 + f"{path.stem}, {res['hardware']['cpu']}, {res['plan']['steps_per_arm']} steps per arm")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
