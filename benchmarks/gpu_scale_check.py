@@ -117,5 +117,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from fastrehearse.cli import worker_exit   # a torchrun worker skips interpreter finalization
-    sys.exit(worker_exit(main()))
+    from fastrehearse.train.parallelize import exit_worker   # a torchrun worker skips finalization
+    sys.exit(exit_worker(main()))

@@ -107,15 +107,6 @@ def train_main(argv: list[str] | None = None, prog: str = "fastrehearse train") 
     return 0
 
 
-def worker_exit(rc: int) -> int:
-    """`rc` back to the caller -- except in a torchrun worker, which exits here without the
-    interpreter's finalization (fastrehearse.train.parallelize.exit_worker says why)."""
-    from fastrehearse.train.parallelize import exit_worker, launched_by_torchrun
-    if launched_by_torchrun():
-        exit_worker(rc)
-    return rc
-
-
 def eval_main(argv: list[str]) -> int:
     try:
         mod = importlib.import_module("fastrehearse.eval.cli")
@@ -139,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":
-        return worker_exit(train_main(rest))
+        rc = train_main(rest)
+        from fastrehearse.train.parallelize import exit_worker   # torch: only once train has run
+        return exit_worker(rc)
     if cmd == "eval":
         return eval_main(rest)
     print(f"fastrehearse: unknown command {cmd!r}\n{usage}", file=sys.stderr)

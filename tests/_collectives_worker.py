@@ -19,8 +19,7 @@ from _placement import ACCEL, SimulatedAccelerator  # noqa: E402
 from fastrehearse.train import loop, parallelize  # noqa: E402
 from fastrehearse.train.build import setup  # noqa: E402
 from fastrehearse.train.config import load_config  # noqa: E402
-from fastrehearse.cli import worker_exit  # noqa: E402
-from fastrehearse.train.parallelize import destroy_distributed, init_distributed  # noqa: E402
+from fastrehearse.train.parallelize import destroy_distributed, exit_worker, init_distributed  # noqa: E402
 
 CALLS: Counter = Counter()
 
@@ -67,4 +66,4 @@ def main(out_path: str, run_dir: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
-    worker_exit(0)   # a torchrun worker skips interpreter finalization (exit_worker says why)
+    exit_worker(0)   # a torchrun worker skips interpreter finalization; outside torchrun a no-op

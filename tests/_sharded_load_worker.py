@@ -8,8 +8,7 @@ import torch
 from fastrehearse.train.config import load_config
 from fastrehearse.train.export import hf_prefix
 from fastrehearse.train.model_init import build_generation_model, build_policy, build_reference
-from fastrehearse.cli import worker_exit
-from fastrehearse.train.parallelize import destroy_distributed, init_distributed, iter_full_params
+from fastrehearse.train.parallelize import destroy_distributed, exit_worker, init_distributed, iter_full_params
 
 
 def main(out_path: str, spec: str, ac: str) -> None:
@@ -34,4 +33,4 @@ def main(out_path: str, spec: str, ac: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
-    worker_exit(0)   # a torchrun worker skips interpreter finalization (exit_worker says why)
+    exit_worker(0)   # a torchrun worker skips interpreter finalization; outside torchrun a no-op

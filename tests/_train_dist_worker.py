@@ -13,8 +13,7 @@ from fastrehearse.train.config import load_config
 from fastrehearse.algo import compute_advantages
 from fastrehearse.train.build import setup
 from fastrehearse.train.update import policy_update
-from fastrehearse.cli import worker_exit
-from fastrehearse.train.parallelize import destroy_distributed, init_distributed
+from fastrehearse.train.parallelize import destroy_distributed, exit_worker, init_distributed
 from fastrehearse.algo import AdvantageConfig
 
 
@@ -77,4 +76,4 @@ def main(out_path: str, *overrides: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
-    worker_exit(0)   # a torchrun worker skips interpreter finalization (exit_worker says why)
+    exit_worker(0)   # a torchrun worker skips interpreter finalization; outside torchrun a no-op

@@ -82,7 +82,7 @@ def test_two_nodes_on_loopback(single, tmp_path):
 _EXIT_PROBE = """
 import atexit, sys, threading, time
 from pathlib import Path
-from fastrehearse.cli import worker_exit
+from fastrehearse.train.parallelize import exit_worker
 d = Path(sys.argv[1])
 class Finalized:                      # a module global: only interpreter finalization deletes it
     def __del__(self):
@@ -91,12 +91,12 @@ keep = Finalized()
 atexit.register(lambda: (d / "atexit").write_text("ran"))
 threading.Thread(target=lambda: (time.sleep(0.3), (d / "thread").write_text("joined"))).start()
 sys.stdout.write("buffered ")          # no newline, no flush: must still come out
-sys.exit(worker_exit(3) + 100)         # a torchrun worker never gets past worker_exit
+sys.exit(exit_worker(3) + 100)         # a torchrun worker never gets past exit_worker
 """
 
 
 @pytest.mark.parametrize("torchrun", [True, False])
-def test_worker_exit_skips_finalization_only_under_torchrun(torchrun, tmp_path):
+def test_exit_worker_skips_finalization_only_under_torchrun(torchrun, tmp_path):
     """A finished torchrun worker leaves without interpreter finalization (where torch's threads have
     crashed ranks whose work was saved), yet keeps its exit code, joins its threads, runs its atexit
     handlers and flushes stdout. Outside torchrun the code comes back and Python exits as usual."""

@@ -25,7 +25,6 @@ import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -120,17 +119,20 @@ def destroy_distributed(sync: bool = True) -> None:
         dist.destroy_process_group()
 
 
-def exit_worker(rc: int) -> NoReturn:
-    """End a torchrun worker with exit code `rc`, skipping the interpreter's finalization.
+def exit_worker(rc: int) -> int:
+    """`rc` back to the caller -- except in a torchrun worker, which ends here with exit code `rc`,
+    skipping the interpreter's finalization.
 
     Why: torch's C++ threads (gloo's workers, the autograd engine's) can outlive
     destroy_process_group() through objects torch keeps, and race the GIL's teardown during
     Py_FinalizeEx (pytorch issue 190489). Under load a rank whose work was done and saved has died
     there -- SIGSEGV, or SIGABRT "terminate called without an active exception" -- and torchrun then
     reported the whole job failed. What exit must still do is done first, while the interpreter
-    is whole: non-daemon threads joined, atexit handlers run, stdio flushed. Call it only on the
-    way out of a torchrun entry point, after the group is destroyed; an uncaught exception keeps
+    is whole: non-daemon threads joined, atexit handlers run, stdio flushed. Call it on the way out
+    of an entry point, after the group is destroyed; an uncaught exception keeps
     Python's normal exit (its traceback and code are the report)."""
+    if not launched_by_torchrun():
+        return rc
     import atexit
     import threading
     for t in threading.enumerate():
