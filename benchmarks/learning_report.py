@@ -394,7 +394,7 @@ def _ci(c: dict, kind: str) -> str:
         return "missing | - | - | -"
     f = (lambda x: f"{100 * x:+.1f}") if kind == "rate" else (lambda x: f"{x:+.2f}")
     w, b = c["welch"], c["bootstrap"]
-    wt = f"[{f(w['lo'])}, {f(w['hi'])}]" if w["lo"] is not None else "n/a (< 2 seeds)"
+    wt = f"[{f(w['lo'])}, {f(w['hi'])}]" if w["lo"] is not None else f"n/a ({w.get('why', '< 2 seeds')})"
     bt = f"[{f(b['lo'])}, {f(b['hi'])}]" if b else "n/a"
     mde = "-" if c["mde"] is None else (f"{100 * c['mde']:.1f}" if kind == "rate" else f"{c['mde']:.2f}")
     return f"{f(w['diff'])} | {wt} | {bt} | {mde}"

@@ -42,14 +42,17 @@ def _mean(xs):
 
 
 def welch(a: list[float], b: list[float], level: float = 0.95) -> dict:
-    """{diff, lo, hi, df, p} for mean(a) - mean(b); lo/hi None when either arm has < 2 seeds."""
+    """{diff, lo, hi, df, p, why} for mean(a) - mean(b). lo/hi/p None, and `why` says so, when
+    either arm has < 2 seeds or neither arm's seeds differ: every seed of both arms on one value
+    (e.g. a ceiling) is no evidence that the seed-to-seed spread is zero, and a zero-width t
+    interval would claim it is."""
     d = _mean(a) - _mean(b)
     if len(a) < 2 or len(b) < 2:
-        return {"diff": d, "lo": None, "hi": None, "df": None, "p": None}
+        return {"diff": d, "lo": None, "hi": None, "df": None, "p": None, "why": "< 2 seeds"}
     va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
     se = math.sqrt(va + vb)
     if se == 0:
-        return {"diff": d, "lo": d, "hi": d, "df": None, "p": 0.0 if d else 1.0}
+        return {"diff": d, "lo": None, "hi": None, "df": None, "p": None, "why": "no seed spread in either arm"}
     df = (va + vb) ** 2 / ((va ** 2 / (len(a) - 1)) + (vb ** 2 / (len(b) - 1)))
     t = t_ppf(0.5 + level / 2, df)
     p = 2 * (1 - t_cdf(abs(d) / se, df))
@@ -57,13 +60,14 @@ def welch(a: list[float], b: list[float], level: float = 0.95) -> dict:
 
 
 def mde(a: list[float], b: list[float], power: float = 0.8, alpha: float = 0.05) -> float | None:
-    """(t_{1-alpha/2, df} + t_{power, df}) * SE with the Welch SE and df of these seeds."""
+    """(t_{1-alpha/2, df} + t_{power, df}) * SE with the Welch SE and df of these seeds; None when
+    Welch is undefined (< 2 seeds, or no seed spread in either arm)."""
     if len(a) < 2 or len(b) < 2:
         return None
     va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
     se = math.sqrt(va + vb)
     if se == 0:
-        return 0.0
+        return None
     df = (va + vb) ** 2 / ((va ** 2 / (len(a) - 1)) + (vb ** 2 / (len(b) - 1)))
     return (t_ppf(1 - alpha / 2, df) + t_ppf(power, df)) * se
 

@@ -144,6 +144,13 @@ def test_contrast_intervals_hand_computed():
     assert (w["lo"], w["hi"]) == (pytest.approx(0.2 - t * se), pytest.approx(0.2 + t * se))
     assert ls.t_ppf(0.975, 3) == pytest.approx(3.1824, abs=1e-3) and ls.t_ppf(0.8, 5) == pytest.approx(0.9195, abs=1e-3)
     assert ls.welch([0.5], [0.1, 0.2])["lo"] is None and ls.mde([0.5], [0.1, 0.2]) is None
+    # every seed of both arms on one value (a ceiling): no interval and no MDE, never a zero-width one
+    flat = ls.welch([0.75, 0.75, 0.75], [0.953, 0.953])
+    assert (flat["lo"], flat["hi"], flat["p"]) == (None, None, None) and flat["why"] == "no seed spread in either arm"
+    assert flat["diff"] == pytest.approx(0.75 - 0.953) and ls.mde([0.75, 0.75, 0.75], [0.953, 0.953]) is None
+    # one arm flat, the other not: an ordinary Welch interval from the other arm's spread
+    one = ls.welch([0.75, 0.75, 0.75], [0.6, 0.8])
+    assert one["lo"] < one["diff"] < one["hi"] and one["df"] == pytest.approx(1.0)
     assert ls.mde([0.6, 0.8], [0.4, 0.5, 0.6]) == pytest.approx((t + ls.t_ppf(0.8, df)) * se)
     # bootstrap: identical runs give a zero-width interval at the observed difference
     A = {0: {"x": 1.0, "y": 0.0}, 1: {"x": 1.0, "y": 0.0}}
