@@ -75,6 +75,33 @@ def _suite_tasks(category: str, n: int) -> dict:
     return suite, {t.id: t for t in suite.tasks(split, limit=n)}
 
 
+def task_families(category: str, n: int) -> dict:
+    """{item id: "tool (answer kind)"} of a builtin eval category: the report splits answer success
+    by family, because one family an arm never solves caps its mean (v3: RL arms 0 of 16 `list_events`
+    counts, so 48 of 64 = 75.0% was their ceiling)."""
+    _, tasks = _suite_tasks(category, n)
+    return {i: f"{t.payload['tools'][0]} ({t.payload['answer']['kind']})" for i, t in tasks.items()}
+
+
+def family_table(res: dict) -> list[str]:
+    """Markdown: items solved / items per tool family of the seen categories, warm-up and every seed."""
+    fam = res.get("families", {}).get("answer_seen")
+    if not fam:
+        return []
+    names = sorted(set(fam.values()))
+    count = {f: sum(v == f for v in fam.values()) for f in names}
+
+    def row(label: str, items: dict) -> str:
+        got = {f: sum(v for i, v in items.items() if fam.get(i) == f) for f in names}
+        return f"| {label} | " + " | ".join(f"{got[f]:.0f}/{count[f]}" for f in names) + " |"
+    out = ["", "## Answer-checked by tool family (seen families; items solved / items)", "",
+           "| run | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names),
+           row("warm-up", res["warmup"]["items"].get("answer_seen", {}))]
+    for arm, r in res["arms"].items():
+        out += [row(f"{arm}-s{seed}", s["items"].get("answer_seen", {})) for seed, s in r["seeds"].items()]
+    return out
+
+
 def call_success(suite, task, transcript: list[dict]) -> float:
     """The builtin `calls` score (gold call made and succeeded, replayed on the real world) of an
     eval transcript: its assistant texts are re-parsed with the task's tool schemas, as the engine
@@ -358,6 +385,7 @@ def report(a, cfg, pl: dict, failures: list, wall_s: float | None, est: dict, pr
         "warmup": {"run_dir": str(warm), "weights_sha256": w_sha, "items": w_items, "metrics": {k: _mean(v) for k, v in w_items.items()},
                    "train_command": shell(pl["warmup"]["train"], a.threads),
                    "eval_commands": [shell(c, a.threads) for _, _, c in pl["warmup"]["evals"]]},
+        "families": {"answer_seen": task_families(cats["seen"], a.n_eval)},
         "arms": arms, "contrasts": contrasts, "consistent_arm_signal": judged,
         "missing": missing, "failures": failures,
     }
@@ -453,6 +481,7 @@ def write_md(res: dict, path: Path) -> None:
         lines += [f"| {arm} | {seed} | {g['rl_steps']} | {f(g['mean_reward'])} | {f(g['mean_reward_real'])} | "
                   f"{f(g['mean_world_reward'])} | {f(g['zero_signal_share'])} | {g['steps_with_signal']} | "
                   f"{f(g['mean_rollout_fidelity'])} |" for arm, seed, g in sig]
+    lines += family_table(res)
     lines += ["", "## Per seed (answer-checked seen / held-out call / held-out answer / rehearsal hidden, %)", ""]
     for arm, r in res["arms"].items():
         cells = []

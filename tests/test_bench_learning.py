@@ -163,6 +163,19 @@ def test_contrast_intervals_hand_computed():
         ls.bootstrap({0: {"x": 1.0}}, {0: {"y": 1.0}})
 
 
+def test_family_table_counts_each_family_per_run():
+    sys.path.insert(0, str(BENCH.parent))
+    import learning_report as lr
+    res = {"families": {"answer_seen": {"a": "t1 (number)", "b": "t1 (number)", "c": "t2 (choice)"}},
+           "warmup": {"items": {"answer_seen": {"a": 0.0, "b": 1.0, "c": 0.0}}},
+           "arms": {"R": {"seeds": {"0": {"items": {"answer_seen": {"a": 1.0, "b": 1.0, "c": 1.0}}}}},
+                    "Ca": {"seeds": {"1": {"items": {"answer_seen": {"a": 0.0, "b": 0.0, "c": 1.0}}}}}}}
+    rows = [ln for ln in lr.family_table(res) if ln.startswith("| ")]
+    assert rows[0] == "| run | t1 (number) | t2 (choice) |"
+    assert rows[1:] == ["| warm-up | 1/2 | 0/1 |", "| R-s0 | 2/2 | 1/1 |", "| Ca-s1 | 0/2 | 1/1 |"]
+    assert lr.family_table({"warmup": {"items": {}}, "arms": {}}) == []    # a report from before families
+
+
 def test_call_success_rescored_from_a_transcript():
     sys.path.insert(0, str(BENCH.parent))
     import learning_report as lr
@@ -250,6 +263,14 @@ def test_tiny_pipeline_end_to_end(tmp_path):
             if arm != "S":
                 assert all("reward_real" in x for x in rows)
     assert [(c["a"], c["b"]) for c in res["contrasts"]["primary"]] == [("Ca", "R")]     # Ca - Cc: no Cc here
+    # answer success split by tool family: every seen item has its family, and each row's counts are its items
+    fam = res["families"]["answer_seen"]
+    assert set(fam) == set(res["arms"]["R"]["seeds"]["0"]["items"]["answer_seen"])
+    md = (runs / "learning_v2_tiny.md").read_text()
+    s0 = res["arms"]["R"]["seeds"]["0"]["items"]["answer_seen"]
+    f0 = sorted(set(fam.values()))[0]
+    cell = f"{sum(v for i, v in s0.items() if fam[i] == f0):.0f}/{sum(x == f0 for x in fam.values())}"
+    assert next(ln for ln in md.splitlines() if ln.startswith("| R-s0 |")).split(" | ")[1] == cell
     # a second invocation finds everything done: nothing is retrained or re-evaluated
     before = {p: p.stat().st_mtime_ns for p in runs.rglob("*.json") if p.parent != runs}
     r2 = _bench(*args, timeout=900)
