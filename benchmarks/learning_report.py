@@ -102,6 +102,14 @@ def family_table(res: dict) -> list[str]:
     return out
 
 
+def unsolved_families(items: dict, families: dict) -> list[tuple[str, int]]:
+    """[(family, n items)] of the families where not one item is solved: an RL arm sampling from
+    this model gets (almost) no reward there, so they cap its success at the other families' share."""
+    n = {f: sum(v == f for v in families.values()) for f in set(families.values())}
+    solved = {families[i] for i, v in items.items() if v > 0 and i in families}
+    return sorted((f, n[f]) for f in n if f not in solved)
+
+
 def call_success(suite, task, transcript: list[dict]) -> float:
     """The builtin `calls` score (gold call made and succeeded, replayed on the real world) of an
     eval transcript: its assistant texts are re-parsed with the task's tool schemas, as the engine
@@ -405,6 +413,12 @@ def pilot_verdict(a, cfg, pl: dict, failures: list, window: tuple[float, float])
     print(f"pilot: warm-up answer-checked success {100 * ans:.1f}% on {len(items['answer_seen'])} held-out tasks "
           f"of {a.level} (call success {100 * (_mean(items['call_seen']) or 0):.1f}%); window "
           f"{100 * window[0]:.0f}-{100 * window[1]:.0f}%: {'inside, run the arms' if ok else 'OUTSIDE: pick another level'}")
+    cold = unsolved_families(items["answer_seen"], task_families(categories(a, cfg)["seen"], a.n_eval))
+    if cold:    # a warning, not a verdict: S can still learn them from gold; the RL arms likely cannot
+        k = sum(n for _, n in cold)
+        print(f"pilot: WARNING: the warm-up solves no item of {', '.join(f'{f} ({n} items)' for f, n in cold)}: "
+              f"RL arms get no reward there from their own rollouts, so {100 * (1 - k / len(items['answer_seen'])):.1f}% "
+              f"is likely their ceiling (v3: no RL seed learned such a family); report them apart or change the level")
     return 0 if ok else 3
 
 

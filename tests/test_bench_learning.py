@@ -176,6 +176,14 @@ def test_family_table_counts_each_family_per_run():
     assert lr.family_table({"warmup": {"items": {}}, "arms": {}}) == []    # a report from before families
 
 
+def test_unsolved_families_are_the_ones_with_no_solved_item():
+    sys.path.insert(0, str(BENCH.parent))
+    import learning_report as lr
+    fam = {"a": "count", "b": "count", "c": "copy", "d": "copy", "e": "choice"}
+    assert lr.unsolved_families({"a": 0.0, "b": 0.0, "c": 1.0, "d": 0.0, "e": 0.0}, fam) == [("choice", 1), ("count", 2)]
+    assert lr.unsolved_families({"a": 1.0, "b": 0.0, "c": 0.5, "d": 0.0, "e": 1.0}, fam) == []
+
+
 def test_call_success_rescored_from_a_transcript():
     sys.path.insert(0, str(BENCH.parent))
     import learning_report as lr
