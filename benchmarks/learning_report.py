@@ -92,6 +92,8 @@ def family_table(res: dict) -> list[str]:
     count = {f: sum(v == f for v in fam.values()) for f in names}
 
     def row(label: str, items: dict) -> str:
+        if set(items) != set(fam):      # an incomplete eval is missing, never counted as 0 solved
+            return f"| {label} | " + " | ".join("missing" for _ in names) + " |"
         got = {f: sum(v for i, v in items.items() if fam.get(i) == f) for f in names}
         return f"| {label} | " + " | ".join(f"{got[f]:.0f}/{count[f]}" for f in names) + " |"
     out = ["", "## Answer-checked by tool family (seen families; items solved / items)", "",

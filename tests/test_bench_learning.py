@@ -174,6 +174,8 @@ def test_family_table_counts_each_family_per_run():
     assert rows[0] == "| run | t1 (number) | t2 (choice) |"
     assert rows[1:] == ["| warm-up | 1/2 | 0/1 |", "| R-s0 | 2/2 | 1/1 |", "| Ca-s1 | 0/2 | 1/1 |"]
     assert lr.family_table({"warmup": {"items": {}}, "arms": {}}) == []    # a report from before families
+    res["arms"]["Cc"] = {"seeds": {"0": {"items": {"answer_seen": {"a": 1.0}}}}}     # an incomplete eval
+    assert lr.family_table(res)[-1] == "| Cc-s0 | missing | missing |"
 
 
 def test_unsolved_families_are_the_ones_with_no_solved_item():
