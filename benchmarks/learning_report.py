@@ -75,41 +75,44 @@ def _suite_tasks(category: str, n: int) -> dict:
     return suite, {t.id: t for t in suite.tasks(split, limit=n)}
 
 
-def task_families(category: str, n: int) -> dict:
-    """{item id: "tool (answer kind)"} of a builtin eval category: the report splits answer success
-    by family, because one family an arm never solves caps its mean (v3: RL arms 0 of 16 `list_events`
-    counts, so 48 of 64 = 75.0% was their ceiling)."""
+def task_kinds(category: str, n: int) -> dict:
+    """{item id: "first tool (answer kind)"} of a builtin eval category -- finer than the suite's
+    tool families (calendar, shop, ...): the report splits answer success by kind, because one kind
+    an arm never solves caps its mean (v3: RL arms 0 of 16 `list_events` counts, so 48 of 64 =
+    75.0% was their ceiling)."""
     _, tasks = _suite_tasks(category, n)
     return {i: f"{t.payload['tools'][0]} ({t.payload['answer']['kind']})" for i, t in tasks.items()}
 
 
-def family_table(res: dict) -> list[str]:
-    """Markdown: items solved / items per tool family of the seen categories, warm-up and every seed."""
-    fam = res.get("families", {}).get("answer_seen")
-    if not fam:
+def _kind_sizes(kinds: dict) -> dict:
+    return {k: sum(v == k for v in kinds.values()) for k in sorted(set(kinds.values()))}
+
+
+def task_kind_table(res: dict) -> list[str]:
+    """Markdown: items solved / items per task kind of the seen categories, warm-up and every seed."""
+    kinds = res.get("task_kinds", {}).get("answer_seen")
+    if not kinds:
         return []
-    names = sorted(set(fam.values()))
-    count = {f: sum(v == f for v in fam.values()) for f in names}
+    size = _kind_sizes(kinds)
 
     def row(label: str, items: dict) -> str:
-        if set(items) != set(fam):      # an incomplete eval is missing, never counted as 0 solved
-            return f"| {label} | " + " | ".join("missing" for _ in names) + " |"
-        got = {f: sum(v for i, v in items.items() if fam.get(i) == f) for f in names}
-        return f"| {label} | " + " | ".join(f"{got[f]:.0f}/{count[f]}" for f in names) + " |"
-    out = ["", "## Answer-checked by tool family (seen families; items solved / items)", "",
-           "| run | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names),
+        if set(items) != set(kinds):     # an incomplete eval is missing, never counted as 0 solved
+            return f"| {label} | " + " | ".join("missing" for _ in size) + " |"
+        got = {k: sum(v for i, v in items.items() if kinds[i] == k) for k in size}
+        return f"| {label} | " + " | ".join(f"{got[k]:.0f}/{n}" for k, n in size.items()) + " |"
+    out = ["", "## Answer-checked by task kind (first tool, answer kind; seen families; items solved / items)", "",
+           "| run | " + " | ".join(size) + " |", "|---|" + "---:|" * len(size),
            row("warm-up", res["warmup"]["items"].get("answer_seen", {}))]
     for arm, r in res["arms"].items():
         out += [row(f"{arm}-s{seed}", s["items"].get("answer_seen", {})) for seed, s in r["seeds"].items()]
     return out
 
 
-def unsolved_families(items: dict, families: dict) -> list[tuple[str, int]]:
-    """[(family, n items)] of the families where not one item is solved: an RL arm sampling from
-    this model gets (almost) no reward there, so they cap its success at the other families' share."""
-    n = {f: sum(v == f for v in families.values()) for f in set(families.values())}
-    solved = {families[i] for i, v in items.items() if v > 0 and i in families}
-    return sorted((f, n[f]) for f in n if f not in solved)
+def unsolved_kinds(items: dict, kinds: dict) -> list[tuple[str, int]]:
+    """[(kind, n items)] of the task kinds where not one item is solved: an RL arm sampling from
+    this model gets (almost) no reward there, so they cap its success at the other kinds' share."""
+    solved = {kinds[i] for i, v in items.items() if v > 0 and i in kinds}
+    return [(k, n) for k, n in _kind_sizes(kinds).items() if k not in solved]
 
 
 def call_success(suite, task, transcript: list[dict]) -> float:
@@ -395,7 +398,7 @@ def report(a, cfg, pl: dict, failures: list, wall_s: float | None, est: dict, pr
         "warmup": {"run_dir": str(warm), "weights_sha256": w_sha, "items": w_items, "metrics": {k: _mean(v) for k, v in w_items.items()},
                    "train_command": shell(pl["warmup"]["train"], a.threads),
                    "eval_commands": [shell(c, a.threads) for _, _, c in pl["warmup"]["evals"]]},
-        "families": {"answer_seen": task_families(cats["seen"], a.n_eval)},
+        "task_kinds": {"answer_seen": task_kinds(cats["seen"], a.n_eval)},
         "arms": arms, "contrasts": contrasts, "consistent_arm_signal": judged,
         "missing": missing, "failures": failures,
     }
@@ -415,12 +418,12 @@ def pilot_verdict(a, cfg, pl: dict, failures: list, window: tuple[float, float])
     print(f"pilot: warm-up answer-checked success {100 * ans:.1f}% on {len(items['answer_seen'])} held-out tasks "
           f"of {a.level} (call success {100 * (_mean(items['call_seen']) or 0):.1f}%); window "
           f"{100 * window[0]:.0f}-{100 * window[1]:.0f}%: {'inside, run the arms' if ok else 'OUTSIDE: pick another level'}")
-    cold = unsolved_families(items["answer_seen"], task_families(categories(a, cfg)["seen"], a.n_eval))
+    cold = unsolved_kinds(items["answer_seen"], task_kinds(categories(a, cfg)["seen"], a.n_eval))
     if cold:    # a warning, not a verdict: S can still learn them from gold; the RL arms likely cannot
         k = sum(n for _, n in cold)
         print(f"pilot: WARNING: the warm-up solves no item of {', '.join(f'{f} ({n} items)' for f, n in cold)}: "
               f"RL arms get no reward there from their own rollouts, so {100 * (1 - k / len(items['answer_seen'])):.1f}% "
-              f"is likely their ceiling (v3: no RL seed learned such a family); report them apart or change the level")
+              f"is likely their ceiling (v3: no RL seed learned such a task kind); report them apart or change the level")
     return 0 if ok else 3
 
 
@@ -497,7 +500,7 @@ def write_md(res: dict, path: Path) -> None:
         lines += [f"| {arm} | {seed} | {g['rl_steps']} | {f(g['mean_reward'])} | {f(g['mean_reward_real'])} | "
                   f"{f(g['mean_world_reward'])} | {f(g['zero_signal_share'])} | {g['steps_with_signal']} | "
                   f"{f(g['mean_rollout_fidelity'])} |" for arm, seed, g in sig]
-    lines += family_table(res)
+    lines += task_kind_table(res)
     lines += ["", "## Per seed (answer-checked seen / held-out call / held-out answer / rehearsal hidden, %)", ""]
     for arm, r in res["arms"].items():
         cells = []

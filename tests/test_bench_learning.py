@@ -163,27 +163,27 @@ def test_contrast_intervals_hand_computed():
         ls.bootstrap({0: {"x": 1.0}}, {0: {"y": 1.0}})
 
 
-def test_family_table_counts_each_family_per_run():
+def test_task_kind_table_counts_each_kind_per_run():
     sys.path.insert(0, str(BENCH.parent))
     import learning_report as lr
-    res = {"families": {"answer_seen": {"a": "t1 (number)", "b": "t1 (number)", "c": "t2 (choice)"}},
+    res = {"task_kinds": {"answer_seen": {"a": "t1 (number)", "b": "t1 (number)", "c": "t2 (choice)"}},
            "warmup": {"items": {"answer_seen": {"a": 0.0, "b": 1.0, "c": 0.0}}},
            "arms": {"R": {"seeds": {"0": {"items": {"answer_seen": {"a": 1.0, "b": 1.0, "c": 1.0}}}}},
                     "Ca": {"seeds": {"1": {"items": {"answer_seen": {"a": 0.0, "b": 0.0, "c": 1.0}}}}}}}
-    rows = [ln for ln in lr.family_table(res) if ln.startswith("| ")]
+    rows = [ln for ln in lr.task_kind_table(res) if ln.startswith("| ")]
     assert rows[0] == "| run | t1 (number) | t2 (choice) |"
     assert rows[1:] == ["| warm-up | 1/2 | 0/1 |", "| R-s0 | 2/2 | 1/1 |", "| Ca-s1 | 0/2 | 1/1 |"]
-    assert lr.family_table({"warmup": {"items": {}}, "arms": {}}) == []    # a report from before families
+    assert lr.task_kind_table({"warmup": {"items": {}}, "arms": {}}) == []    # a report from before task kinds
     res["arms"]["Cc"] = {"seeds": {"0": {"items": {"answer_seen": {"a": 1.0}}}}}     # an incomplete eval
-    assert lr.family_table(res)[-1] == "| Cc-s0 | missing | missing |"
+    assert lr.task_kind_table(res)[-1] == "| Cc-s0 | missing | missing |"
 
 
-def test_unsolved_families_are_the_ones_with_no_solved_item():
+def test_unsolved_kinds_are_the_ones_with_no_solved_item():
     sys.path.insert(0, str(BENCH.parent))
     import learning_report as lr
     fam = {"a": "count", "b": "count", "c": "copy", "d": "copy", "e": "choice"}
-    assert lr.unsolved_families({"a": 0.0, "b": 0.0, "c": 1.0, "d": 0.0, "e": 0.0}, fam) == [("choice", 1), ("count", 2)]
-    assert lr.unsolved_families({"a": 1.0, "b": 0.0, "c": 0.5, "d": 0.0, "e": 1.0}, fam) == []
+    assert lr.unsolved_kinds({"a": 0.0, "b": 0.0, "c": 1.0, "d": 0.0, "e": 0.0}, fam) == [("choice", 1), ("count", 2)]
+    assert lr.unsolved_kinds({"a": 1.0, "b": 0.0, "c": 0.5, "d": 0.0, "e": 1.0}, fam) == []
 
 
 def test_call_success_rescored_from_a_transcript():
@@ -273,8 +273,8 @@ def test_tiny_pipeline_end_to_end(tmp_path):
             if arm != "S":
                 assert all("reward_real" in x for x in rows)
     assert [(c["a"], c["b"]) for c in res["contrasts"]["primary"]] == [("Ca", "R")]     # Ca - Cc: no Cc here
-    # answer success split by tool family: every seen item has its family, and each row's counts are its items
-    fam = res["families"]["answer_seen"]
+    # answer success split by task kind: every seen item has its kind, and each row's counts are its items
+    fam = res["task_kinds"]["answer_seen"]
     assert set(fam) == set(res["arms"]["R"]["seeds"]["0"]["items"]["answer_seen"])
     md = (runs / "learning_v2_tiny.md").read_text()
     s0 = res["arms"]["R"]["seeds"]["0"]["items"]["answer_seen"]
