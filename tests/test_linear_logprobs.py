@@ -10,11 +10,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _kernel_ref import CONFIDENT_ROW_TOL, confident_rows, ref_logprobs, rel_err, row_rel_err
+from _kernel_ref import (CONFIDENT_ROW_TOL, confident_rows, fp32_atol, ref_logprobs, rel_err,
+                         row_rel_err)
 from fastrehearse.kernels import linear_logprobs
 
 BACKENDS = ["torch", "triton", "triton-fused"]
-LOGP_TOL = 1e-4   # fp32: max abs error of logp / entropy
+LOGP_TOL = 1e-4   # fp32: max abs error of logp / entropy at O(1) logits (the floor of _logp_tol)
 GRAD_TOL = 1e-4   # fp32: ||g - g_ref|| / ||g_ref||
 
 
@@ -31,6 +32,16 @@ def _poison_empty():
     yield
     torch.use_deterministic_algorithms(old_det)
     det.fill_uninitialized_memory = old_fill
+
+
+def _logp_tol(x, w, lp_ref, temperature=1.0, floor=LOGP_TOL):
+    """LOGP_TOL plus the fp32 rounding that grows with the logits (`fp32_atol`): the large-logit
+    cases reach |logp| ~ 500-900, where ulp(logp) is 3-6e-5 and a fixed 1e-4 is 1.6-3 ulps, one
+    summation order from failing (issue 43). The same bound serves the entropy (its error comes
+    from the same |z|). What these tests catch -- a block merge / rescale / mask gone wrong,
+    an overflowing block not recomputed -- is O(1) nats or inf / NaN."""
+    mag = float((x.detach().double().abs() @ w.detach().double().abs().T).max()) / temperature
+    return fp32_atol(lp_ref, floor=floor, mag=mag, terms=x.shape[-1])
 
 
 def _maxabs(a, b):
@@ -79,10 +90,11 @@ def check_against_ref(backend, n, h, v, *, seed=0, temperature=1.0, with_entropy
     lp, ent = linear_logprobs(xk, wk, t, mask=mask, temperature=temperature,
                               with_entropy=with_entropy, backend=backend, chunk_size=chunk_size)
     assert lp.dtype == torch.float32 and lp.shape == (n,)
-    assert _maxabs(lp, lp_ref) <= logp_tol
+    tol = _logp_tol(x, w, lp_ref, temperature, logp_tol)
+    assert _maxabs(lp, lp_ref) <= tol
     if with_entropy:
         assert ent.dtype == torch.float32 and ent.shape == (n,)
-        assert _maxabs(ent, ent_ref) <= logp_tol
+        assert _maxabs(ent, ent_ref) <= tol
     else:
         assert ent is None
     if mask is not None:  # masked positions exactly zero
@@ -197,9 +209,10 @@ def test_torch_vocab_block_overflow_and_underflow(monkeypatch, with_entropy):
     ((lr * g1).sum() + ((er * g2).sum() if with_entropy else 0)).backward()
     ((lp * g1.float()).sum() + ((ent * g2.float()).sum() if with_entropy else 0)).backward()
     # |z| ~ 600 makes the fp32 GEMM itself round at ~1e-4 absolute: compare within that.
-    assert torch.isfinite(lp).all() and _maxabs(lp, lr) <= LOGP_TOL
+    tol = _logp_tol(x, w, lr)
+    assert torch.isfinite(lp).all() and _maxabs(lp, lr) <= tol
     if with_entropy:
-        assert torch.isfinite(ent).all() and _maxabs(ent, er) <= LOGP_TOL
+        assert torch.isfinite(ent).all() and _maxabs(ent, er) <= tol
     assert rel_err(xk.grad, xr.grad) <= GRAD_TOL and rel_err(wk.grad, wr.grad) <= GRAD_TOL
 
 
@@ -252,9 +265,10 @@ def test_torch_direct_and_shifted_rows_in_one_block(monkeypatch, with_entropy, c
     # rows 3 and 7 lie in the first of two 8-row blocks: that block takes the shifted backward
     assert bwd == (["_shifted_backward"] if chunk_size is None
                    else ["_shifted_backward", "_direct_backward"])
-    assert _maxabs(lp, lr) <= LOGP_TOL
+    tol = _logp_tol(x, w, lr)
+    assert _maxabs(lp, lr) <= tol
     if with_entropy:
-        assert _maxabs(ent, er) <= LOGP_TOL
+        assert _maxabs(ent, er) <= tol
     assert rel_err(xk.grad, xr.grad) <= GRAD_TOL and rel_err(wk.grad, wr.grad) <= GRAD_TOL
 
 
@@ -283,7 +297,7 @@ def test_torch_direct_backward_guards(monkeypatch, case):
     lr, _ = ref_logprobs(xr, wr, t)
     (lr * g1).sum().backward()
     assert bwd == ["_shifted_backward"]
-    assert _maxabs(lp, lr) <= LOGP_TOL
+    assert _maxabs(lp, lr) <= _logp_tol(x, w, lr)
     assert rel_err(xk.grad, xr.grad) <= GRAD_TOL and rel_err(wk.grad, wr.grad) <= GRAD_TOL
 
 

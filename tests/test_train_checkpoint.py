@@ -1,10 +1,15 @@
-"""DCP checkpoints (single process): round trip, crash-safety of partial writes, rotation."""
+"""DCP checkpoints (single process): round trip, crash-safety of partial writes, rotation, and the
+numerics record that says when a resume can repeat a run bit for bit.
+
+Bit-exact promises here hold in one process on one machine: the same torch, instruction set
+(ATEN_CPU_CAPABILITY), thread count and device, so every fp32 sum runs in the same order."""
+import json
 import random
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fastrehearse.train.checkpoint import Checkpointer
+from fastrehearse.train.checkpoint import Checkpointer, numerics, numerics_note
 from fastrehearse.train.parallelize import DistInfo
 
 INFO = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
@@ -67,3 +72,25 @@ def test_partial_checkpoint_is_never_picked_and_rotation(tmp_path):
     ck.save(9, model, opt, {"step": 9})                         # replaces the stale .tmp
     assert ck.latest().name == "step_00000009"
     assert not (tmp_path / "checkpoints" / "step_00000009.tmp").exists()
+
+
+def test_checkpoint_records_numerics_and_resume_names_a_change(tmp_path, monkeypatch):
+    """COMPLETE records what fixes the summation order; a resume under another instruction set
+    or thread count gets one line saying the continuation is correct but not bit-identical."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ck = Checkpointer(tmp_path, INFO, keep=2)
+    path = ck.save(1, model, opt, {"step": 1})
+    rec = json.loads((path / "COMPLETE").read_text())["numerics"]
+    assert rec == numerics(INFO)
+    assert rec["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert rec["threads"] == torch.get_num_threads() and rec["world_size"] == 1
+    assert ck.numerics_note(path) is None                   # same process: nothing to say
+    other = "AVX2" if rec["cpu_capability"] != "AVX2" else "DEFAULT"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: other)
+    note = ck.numerics_note(path)
+    assert note and f"cpu_capability {rec['cpu_capability']!r} -> {other!r}" in note
+    assert "bit for bit" in note and "\n" not in note
+    assert numerics_note(None, numerics(INFO)) is None      # a checkpoint from before the record
+    old = dict(rec, threads=rec["threads"] + 1)
+    assert "threads" in numerics_note(old, rec)

@@ -54,6 +54,30 @@ def set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
+def numerics(info: DistInfo) -> dict:
+    """What decides the summation order of every fp32 sum, so whether a resumed run can repeat an
+    uninterrupted one bit for bit: torch's version, the CPU instruction set its kernels dispatch
+    to (ATEN_CPU_CAPABILITY), its thread count, the accelerator's name, the world size. Correct
+    under any of them; identical only under the same ones (issue 43)."""
+    dev = info.device
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads(), "world_size": info.world_size,
+            "device": (torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type)}
+
+
+def numerics_note(saved: dict | None, now: dict) -> str | None:
+    """One line when a checkpoint was written under other numerics than this run's (None if the
+    same, or if the checkpoint predates the record)."""
+    if not saved:
+        return None
+    diff = [f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in now if k in saved and saved[k] != now[k]]
+    if not diff:
+        return None
+    return ("note: this checkpoint was written under other numerics (" + ", ".join(diff) + "); the "
+            "run continues correctly, but its losses will not repeat an uninterrupted run's bit for "
+            "bit (that needs the same torch, instruction set, thread count, device and world size)")
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -151,7 +175,7 @@ class Checkpointer:
         barrier(self.info)
         if self.info.is_main:
             meta = {"step": step, "world_size": self.info.world_size, "time": time.time(),
-                    "seconds": round(time.perf_counter() - t0, 3)}
+                    "seconds": round(time.perf_counter() - t0, 3), "numerics": numerics(self.info)}
             try:
                 with open(tmp / "COMPLETE", "w") as f:
                     json.dump(meta, f)
@@ -194,6 +218,14 @@ class Checkpointer:
         if rng.is_file():   # absent when resuming on more ranks than were saved
             set_rng_state(torch.load(rng, weights_only=False))
         return torch.load(path / "trainer.pt", weights_only=False)
+
+    def numerics_note(self, path: Path) -> str | None:
+        """numerics_note for the checkpoint at `path` against this process (rank 0's view)."""
+        try:
+            saved = json.loads((Path(path) / "COMPLETE").read_text()).get("numerics")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return numerics_note(saved, numerics(self.info))
 
     def resolve_resume(self) -> Path | None:
         """Rank 0 picks the latest complete checkpoint and tells the others (same choice)."""

@@ -106,6 +106,9 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, overwrite: bool) -> d
             resumed_at = run.state.step
             run.logger.write(f"resumed from {path} (step {run.state.step}); lr now "
                              f"{run.scheduler.get_last_lr()[0]:.4g}")
+            note = ckpt.numerics_note(path)
+            if note:
+                run.logger.write(note)
     write_run_config(run, resumed_at)
     _install_sigterm(run)
 
