@@ -1,7 +1,9 @@
 """Worker for tests/test_train_distributed.py: one SFT update and two RL updates (token-mean, then
 seq-mean-token-mean) of the trainer's own `policy_update` on fixed episodes, run alone or under torchrun (any world size / node count).
 
-Rank 0 saves {"losses", "grads" (full, unsharded), "params_after"} to argv[1].
+Rank 0 saves {"losses", "grads" (full, unsharded), "params_after"} to argv[1]. Further arguments
+are config overrides, and `--nan-rollout-logprob=K`: rollout log-probs on every episode, one of
+episode K's non-finite (the on-policy reuse decision must be taken by all ranks together).
 """
 import sys
 
@@ -47,7 +49,19 @@ def params(model) -> dict:
             for n, p in model.named_parameters()}
 
 
+def rollout_logprobs(eps: list[Episode], nan_episode: int | None) -> None:
+    """Rollout log-probs on every token (-2.0: the HF backend's on-policy reuse path), one sampled
+    token of episode `nan_episode` non-finite: only the rank that episode is packed on sees it."""
+    for i, ep in enumerate(eps):
+        lp = [-2.0] * len(ep.input_ids)
+        if i == nan_episode:
+            lp[ep.roles.index(int(Role.ACT))] = float("nan")
+        ep.rollout_logprobs = lp
+
+
 def main(out_path: str, *overrides: str) -> None:
+    nan_ep = [o for o in overrides if o.startswith("--nan-rollout-logprob=")]
+    overrides = tuple(o for o in overrides if o not in nan_ep)
     cfg = load_config("configs/smoke.yaml", ["run_dir=/tmp/_fr_dist_unused", "eval.num_tasks=0",
                                               "log.progress=false", "algo.loss.w_observed=0.5",
                                               "algo.loss.entropy_coef=0.01", "max_tokens=64",
@@ -60,6 +74,8 @@ def main(out_path: str, *overrides: str) -> None:
     res["losses"].append(row["loss"])
     res["grads"].append(grads(run.policy))
     compute_advantages(eps, AdvantageConfig())
+    if nan_ep:
+        rollout_logprobs(eps, int(nan_ep[0].split("=", 1)[1]))
     row = policy_update(run, eps, stage="rl")
     res["losses"].append(row["loss"])
     res["grads"].append(grads(run.policy))

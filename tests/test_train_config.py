@@ -66,6 +66,9 @@ def test_value_checks():
         load_config(None, ["algo.aggregation=mean"])
     with pytest.raises(ConfigError, match=r"'rollout.group_size' must be > 0"):
         load_config(None, ["rollout.group_size=0"])
+    with pytest.raises(ConfigError, match=r"'dist.timeout_s' must be > 0"):
+        load_config(None, ["dist.timeout_s=0"])
+    assert load_config(None, ["dist.timeout_s=45"]).dist.timeout_s == 45.0
     # the kernel's PolicyLossConfig checks its own fields; the message names the train config key
     with pytest.raises(ConfigError, match=r"'algo.loss.dual_clip'.*dual_clip.*0\.5"):
         load_config(None, ["algo.loss.dual_clip=0.5"])

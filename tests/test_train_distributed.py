@@ -1,6 +1,7 @@
 """FSDP2 on gloo with real torchrun processes: the trainer's update gives the same losses and
 gradients at world size 1 and 2, and a two-node launch on loopback runs (and agrees too)."""
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -22,15 +23,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _check(procs):
+def _check(procs, timeout=600):
     for p in procs:
-        out, _ = p.communicate(timeout=600)
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:     # the launcher and its workers (a SIGKILLed launcher orphans them)
+                os.killpg(q.pid, signal.SIGKILL)
+            raise AssertionError(f"a launcher was still running after {timeout} s (ranks hung?)")
         assert p.returncode == 0, out[-4000:]
 
 
 def _popen(cmd):
     return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, start_new_session=True)
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +65,21 @@ def test_two_processes_match_one(single, tmp_path):
     _check([_popen(TORCHRUN + ["--nproc_per_node=2", "--master_addr=127.0.0.1",
                                f"--master_port={_free_port()}", WORKER, str(out)])])
     _compare(single, torch.load(out))
+
+
+def test_reuse_of_rollout_logprobs_is_decided_by_all_ranks(tmp_path):
+    """One non-finite rollout log-prob on one rank only (the episode is packed there): every rank
+    recomputes the old log-probs together, so world size 2 gives the world-size-1 update (the
+    same 1e-5 tolerances as above: sums split across ranks) and ends. Before, that rank alone ran
+    a policy forward while the other went on to the loss: paired FSDP all-gathers of other
+    layers, then a hang."""
+    flag = "--nan-rollout-logprob=4"
+    one, two = tmp_path / "w1.pt", tmp_path / "w2.pt"
+    _check([_popen([sys.executable, WORKER, str(one), flag])])
+    _check([_popen(TORCHRUN + ["--nproc_per_node=2", "--master_addr=127.0.0.1",
+                               f"--master_port={_free_port()}", WORKER, str(two), flag])],
+           timeout=240)
+    _compare(torch.load(one), torch.load(two))
 
 
 def test_two_nodes_on_loopback(single, tmp_path):
@@ -108,3 +129,64 @@ def test_exit_worker_skips_finalization_only_under_torchrun(torchrun, tmp_path):
     assert p.returncode == (3 if torchrun else 103), p.stderr[-2000:]
     assert p.stdout == ("buffered " if torchrun else "buffered finalized\n")
     assert (tmp_path / "atexit").read_text() == "ran" and (tmp_path / "thread").read_text() == "joined"
+
+
+_STUCK_PEER = """
+import sys, time
+import torch.distributed as dist
+from fastrehearse.train.parallelize import init_distributed
+info = init_distributed("cpu", timeout_s=float(sys.argv[1]))
+if info.rank == 1:
+    time.sleep(300)           # alive but stuck: never reaches the collective
+t0 = time.monotonic()
+try:
+    dist.barrier()
+except Exception as e:        # the process group's timeout, not torch's 30-minute default
+    print(f"rank 0 gave up after {time.monotonic() - t0:.0f} s: {type(e).__name__}", flush=True)
+    raise SystemExit(3)
+"""
+
+
+def test_dist_timeout_bounds_a_wait_for_a_stuck_rank(tmp_path):
+    """dist.timeout_s reaches the process group: with rank 1 alive but stuck, rank 0's collective
+    raises after the timeout and the launcher ends non-zero (torchrun then stops rank 1), instead
+    of waiting out gloo's 30-minute default."""
+    script = tmp_path / "stuck.py"
+    script.write_text(_STUCK_PEER)
+    t0 = time.monotonic()
+    p = _popen(TORCHRUN + ["--nproc_per_node=2", "--master_addr=127.0.0.1",
+                           f"--master_port={_free_port()}", str(script), "8"])
+    try:
+        out, _ = p.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise AssertionError("the launcher was still waiting after 150 s: no timeout reached gloo")
+    assert p.returncode != 0 and "rank 0 gave up after" in out, out[-3000:]
+    assert time.monotonic() - t0 < 120
+
+
+@pytest.mark.parametrize("env,refused", [
+    ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "head-node"}, True),
+    ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "head-node",
+      "GLOO_SOCKET_IFNAME": "eth0"}, False),
+    ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "head-node",
+      "NCCL_SOCKET_IFNAME": "ib0"}, False),
+    ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}, False),  # loopback test
+    ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "head-node"}, False),  # one node
+])
+def test_multinode_launch_on_a_loopback_hostname_is_refused(env, refused):
+    """Spanning nodes while this host's name resolves to 127.0.1.1 (stock Ubuntu) and no socket
+    interface is named: gloo would bind to loopback and the first collective would hang. Refused in
+    one line naming the variables; the loopback launch, one node and a named interface pass."""
+    from fastrehearse.train.parallelize import NetworkConfigError, check_multinode_network
+    kw = dict(env=env, resolve=lambda host: "127.0.1.1", hostname="node7")
+    if not refused:
+        check_multinode_network(**kw)
+        return
+    with pytest.raises(NetworkConfigError) as e:
+        check_multinode_network(**kw)
+    msg = str(e.value)
+    assert "\n" not in msg and "GLOO_SOCKET_IFNAME" in msg and "NCCL_SOCKET_IFNAME" in msg
+    assert "'node7' resolves to 127.0.1.1" in msg
+    # a hostname that resolves to a routable address passes
+    check_multinode_network(env=env, resolve=lambda host: "192.0.2.7", hostname="node7")

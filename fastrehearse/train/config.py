@@ -161,6 +161,15 @@ class LogConfig:
 
 
 @dataclass
+class DistConfig:
+    # Every collective's limit: a rank waiting longer for a peer (alive but stuck, or gone without
+    # closing its connection) raises and the job stops. Above the longest normal wait between two
+    # collectives -- one rank's rollout while the others wait to gather episodes, vLLM start-up,
+    # rank 0's export; raise it for long HF rollouts at large models.
+    timeout_s: float = 1800.0
+
+
+@dataclass
 class TrainConfig:
     run_dir: str = "runs/default"
     seed: int = 0
@@ -177,6 +186,7 @@ class TrainConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -386,6 +396,7 @@ def validate(cfg: TrainConfig, explicit: set | frozenset = frozenset()) -> Train
             raise ConfigError(f"config key 'model.kernel_backend' = {cfg.model.kernel_backend!r}: {e}"
                               + (" (this run is on the CPU)" if on_cpu else "")) from None
     choice("device", cfg.device, ("auto", "cpu", "cuda"))
+    positive("dist.timeout_s", cfg.dist.timeout_s)
     for key in ("rollout.group_size", "rollout.tasks_per_step", "rollout.max_new_tokens",
                 "rollout.max_turns", "rollout.max_episode_tokens", "max_tokens",
                 "algo.updates_per_batch", "max_consecutive_skips", "sft.tasks_per_step", "optim.lr"):
@@ -558,7 +569,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
 # must match the checkpoint's config, or the resumed run would not be the run it claims to be.
 RESUME_MAY_CHANGE = ("steps", "run_dir", "device", "max_tokens", "max_consecutive_skips",
                      "model.activation_checkpointing", "model.kernel_backend", "optim.", "sft.lr", "sft.warmup_steps",
-                     "checkpoint.", "log.", "eval.")
+                     "checkpoint.", "log.", "eval.", "dist.")
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

@@ -67,7 +67,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
     resume: continue the latest complete checkpoint in run_dir (docs/training.md says what may
     change); overwrite: replace the run run_dir holds. Without either, a run_dir holding a run is
     refused (ConfigError) before anything is written."""
-    info = init_distributed(cfg.device)
+    info = init_distributed(cfg.device, timeout_s=cfg.dist.timeout_s)
     previous = signal.getsignal(signal.SIGTERM)
     ok = False
     try:

@@ -25,6 +25,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -74,12 +75,55 @@ def backend_for(device: torch.device) -> str:
     return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
 
 
-def init_distributed(device_pref: str = "auto") -> DistInfo:
+class NetworkConfigError(ValueError):
+    """A multi-node launch whose ranks would talk over loopback (raised before the process group)."""
+
+
+_LOOPBACK = ("127.", "::1", "localhost")
+
+
+def _is_loopback(addr: str) -> bool:
+    return addr.startswith(_LOOPBACK) or addr in ("0:0:0:0:0:0:0:1",)
+
+
+def check_multinode_network(env: dict | None = None, resolve=None, hostname=None) -> None:
+    """Refuse a job that spans nodes (WORLD_SIZE > LOCAL_WORLD_SIZE) when this host's name resolves
+    to loopback (127.0.1.1 on stock Ubuntu / Debian), the rendezvous is not on loopback, and no
+    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME names the interface: gloo (and NCCL's bootstrap) would
+    bind to the hostname's address and the nodes could not reach each other -- a hang at the first
+    collective, not an error. All ranks on one machine (the loopback tests) are exempt."""
+    import socket
+    env = os.environ if env is None else env
+    world = int(env.get("WORLD_SIZE", "1"))
+    local = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+    if world <= local:
+        return
+    master = env.get("MASTER_ADDR", "")
+    if not master or _is_loopback(master):
+        return
+    if env.get("GLOO_SOCKET_IFNAME") or env.get("NCCL_SOCKET_IFNAME"):
+        return
+    host = hostname or socket.gethostname()
+    try:
+        addr = (resolve or socket.gethostbyname)(host)
+    except OSError:
+        return      # no answer: the backends fall back to an interface of their own
+    if _is_loopback(addr):
+        raise NetworkConfigError(
+            f"this job spans nodes (WORLD_SIZE {world} > LOCAL_WORLD_SIZE {local}, rendezvous "
+            f"{master}) but this host's name {host!r} resolves to {addr}, a loopback address the "
+            f"other nodes cannot reach: set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME on GPUs) to "
+            f"the interface they share, e.g. GLOO_SOCKET_IFNAME=eth0 (see docs/training.md)")
+
+
+def init_distributed(device_pref: str = "auto", timeout_s: float | None = None) -> DistInfo:
     """Join the torchrun rendezvous when launched by torchrun (any world size, 1 included), else run
     alone: a plain process on the CPU, a 1-rank group on one GPU (FSDP2 mixed precision applies).
 
     Multi-node works through torchrun's rendezvous (--nnodes, --rdzv-endpoint); nothing here is
-    node-aware beyond LOCAL_RANK picking the GPU.
+    node-aware beyond LOCAL_RANK picking the GPU and the network check above. `timeout_s`
+    (`dist.timeout_s`) bounds every collective on both backends: a rank left waiting for a peer that
+    is alive but stuck raises after it instead of after torch's default (30 min gloo, 10 min NCCL).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -93,10 +137,13 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
     backend = backend_for(device)
+    check_multinode_network()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+        kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None,
+                                **kw)
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     return DistInfo(rank, world, local_rank, device, backend, mesh)

@@ -173,9 +173,13 @@ def _fill_old_and_ref_logp(run: Run, batches) -> None:
         sampled = (b.roles == int(Role.ACT)) | (b.roles == int(Role.REHEARSE))
         b.old_logp = torch.where(sampled, b.old_logp, torch.zeros_like(b.old_logp))
     # vLLM's log-probs are another engine's numbers: the ratio's denominator is always the trainer's
-    # own (the mismatch is what truncated IS corrects).
-    reuse = (cfg.algo.updates_per_batch == 1 and cfg.rollout.backend == "hf"
-             and all(bool(torch.isfinite(b.old_logp).all()) for b in batches))
+    # own (the mismatch is what truncated IS corrects). Reuse is decided by every rank together:
+    # the forward below all-gathers FSDP shards, so one rank recomputing while another goes on to
+    # the reference forward or the loss would pair mismatched collectives (mixed weights, a hang).
+    reuse = cfg.algo.updates_per_batch == 1 and cfg.rollout.backend == "hf"
+    if reuse:   # the same on every rank (config), so every rank takes part in any_rank or none does
+        local = all(bool(torch.isfinite(b.old_logp).all()) for b in batches)
+        reuse = not any_rank(not local, run.info)
     if not reuse:
         for b, lp in zip(batches, compute_logprobs(run.policy, batches, cfg)):
             sampled = (b.roles == int(Role.ACT)) | (b.roles == int(Role.REHEARSE))
