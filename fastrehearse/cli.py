@@ -92,6 +92,7 @@ def train_main(argv: list[str] | None = None, prog: str = "fastrehearse train") 
         print(f"{prog}: config error: {e}", file=sys.stderr)
         return 2
     from fastrehearse.train.loop import TrainingError, train
+    from fastrehearse.train.failures import PeerFailed
     from fastrehearse.train.parallelize import NetworkConfigError
     # Every rank of a torchrun job reaches the same verdict; one of them says it.
     say = os.environ.get("RANK", "0") == "0"
@@ -101,9 +102,10 @@ def train_main(argv: list[str] | None = None, prog: str = "fastrehearse train") 
         if say:
             print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    except TrainingError as e:                      # DiskFullError included
-        if say:
-            print(f"{prog}: training stopped: {e}", file=sys.stderr)
+    except TrainingError as e:                      # DiskFullError, PeerFailed included
+        if say or isinstance(e, PeerFailed):        # a peer's failure: the rank 0 may be the one gone
+            where = "" if say else f" (rank {os.environ.get('RANK', '?')})"
+            print(f"{prog}: training stopped{where}: {e}", file=sys.stderr)
         return 1
     except NetworkConfigError as e:                 # per host: the rank that found it says it
         print(f"{prog}: error (rank {os.environ.get('RANK', '0')}): {e}", file=sys.stderr)

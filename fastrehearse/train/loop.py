@@ -35,12 +35,15 @@ from .config import TrainConfig, warnings_for
 from .errors import DiskFullError, TrainingError
 from .export import export_hf
 from .metrics import final_table
+from . import failures
+from .failures import phase
 from .parallelize import (
     DistInfo,
     all_gather_object,
     any_rank,
     destroy_distributed,
     init_distributed,
+    launched_by_torchrun,
 )
 from .rollouts import (
     evaluate,
@@ -68,13 +71,23 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
     change); overwrite: replace the run run_dir holds. Without either, a run_dir holding a run is
     refused (ConfigError) before anything is written."""
     info = init_distributed(cfg.device, timeout_s=cfg.dist.timeout_s)
+    failures.start(info.rank, info.world_size, cfg.dist.timeout_s, launched_by_torchrun())
     previous = signal.getsignal(signal.SIGTERM)
     ok = False
     try:
         summary = _train(cfg, info, resume, overwrite)
         ok = True
         return summary
+    except Exception as e:
+        # Say where it failed (the store, not a collective); a rank whose collective broke because
+        # a peer failed first names that peer instead of its own symptom (failures.py).
+        failures.report(e)
+        peer = failures.peer_failure(e)
+        if peer:
+            raise failures.PeerFailed(peer) from e
+        raise
     finally:
+        failures.stop()
         close_shared()   # the vLLM instance, if any: its engine processes stop before this returns
         _restore_sigterm(previous)
         destroy_distributed(sync=ok)
@@ -93,7 +106,8 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, overwrite: bool) -> d
     resumed_at = None
     if resume:
         had_any = bool(ckpt.complete())
-        path, st = ckpt.load_latest(run.policy, run.optimizer, log=run.logger.write)
+        with phase("resume"):
+            path, st = ckpt.load_latest(run.policy, run.optimizer, log=run.logger.write)
         if path is None and had_any:
             raise TrainingError(f"--resume: no checkpoint in {ckpt.root} could be loaded (see above); "
                                 f"config.yaml and metrics.jsonl were left as they were")
@@ -113,7 +127,8 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, overwrite: bool) -> d
     _install_sigterm(run)
 
     if run.state.eval_before is None and cfg.eval.before:
-        run.state.eval_before = evaluate(run, tag="before")
+        with phase("eval"):
+            run.state.eval_before = evaluate(run, tag="before")
     sft_steps, total = cfg.sft.steps, cfg.sft.steps + cfg.steps
     run.logger.set_progress(run.state.step, total=total)
 
@@ -132,7 +147,8 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, overwrite: bool) -> d
         stop = _agree_to_stop(run)
         every = cfg.checkpoint.every
         if stop or (every and run.state.step >= sft_steps and run.state.step % every == 0):
-            save_checkpoint(run, ckpt)
+            with phase("checkpoint"):
+                save_checkpoint(run, ckpt)
         if stop:
             run.logger.write(f"SIGTERM: checkpoint saved at step {run.state.step}; exiting")
             run.logger.close()
@@ -140,11 +156,15 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, overwrite: bool) -> d
 
     if cfg.checkpoint.at_end and not (cfg.checkpoint.every and run.state.step % cfg.checkpoint.every == 0
                                       and run.state.step >= sft_steps):
-        save_checkpoint(run, ckpt)
-    after = evaluate(run, tag="after") if cfg.eval.after else {}
+        with phase("checkpoint"):
+            save_checkpoint(run, ckpt)
+    with phase("eval"):
+        after = evaluate(run, tag="after") if cfg.eval.after else {}
     export_dir = None
     if cfg.checkpoint.export:
-        export_dir = export_hf(run.policy, run.hf_model, run.tokenizer, Path(cfg.run_dir) / "export", info)
+        with phase("export"):
+            export_dir = export_hf(run.policy, run.hf_model, run.tokenizer, Path(cfg.run_dir) / "export",
+                                   info)
     summary = _summary(run, after, time.perf_counter() - t_start, export_dir)
     run.logger.close()
     if info.is_main:
@@ -160,22 +180,23 @@ def rl_step(run: Run) -> dict:
     st.rl_cursor += cfg.rollout.tasks_per_step
     mine = tasks[info.rank::info.world_size]
     t0 = time.perf_counter()
-    episodes, rmetrics, failures = rollout(run, mine, mode=cfg.rollout.mode,
-                                           temperature=cfg.rollout.temperature,
-                                           seed=step_seed(cfg.seed, st.step, info.rank),
-                                           group_size=cfg.rollout.group_size,
-                                           measure_fidelity=cfg.rollout.measure_fidelity)
-    rollout_s = time.perf_counter() - t0
-    # 2. gather: every rank sees every episode (rank order, deterministic)
-    gathered = all_gather_object(([slim_episode(e) for e in episodes], rmetrics, failures), info)
+    with phase("rollout"):
+        episodes, rmetrics, n_failed = rollout(run, mine, mode=cfg.rollout.mode,
+                                               temperature=cfg.rollout.temperature,
+                                               seed=step_seed(cfg.seed, st.step, info.rank),
+                                               group_size=cfg.rollout.group_size,
+                                               measure_fidelity=cfg.rollout.measure_fidelity)
+        rollout_s = time.perf_counter() - t0
+        # 2. gather: every rank sees every episode (rank order, deterministic)
+        gathered = all_gather_object(([slim_episode(e) for e in episodes], rmetrics, n_failed), info)
     episodes = [e for eps, _, _ in gathered for e in eps]
-    failures = sum(f for _, _, f in gathered)
-    st.rollout_failures += failures
-    row = {"stage": "rl", "rollout_failures": failures, "rollout_s": round(rollout_s, 3)}
+    n_failed = sum(f for _, _, f in gathered)
+    st.rollout_failures += n_failed
+    row = {"stage": "rl", "rollout_failures": n_failed, "rollout_s": round(rollout_s, 3)}
     row.update(rollout_row(episodes, [m for _, m, _ in gathered], rollout_s))
     if len(episodes) < info.world_size:   # packing needs one episode per rank
         return skip_step(run, row, reason=f"only {len(episodes)} episodes for {info.world_size} ranks "
-                                      f"({failures} rollout failures)")
+                                      f"({n_failed} rollout failures)")
     # 3. role-wise GRPO advantages (groups = task ids)
     a = cfg.algo
     adv = compute_advantages(episodes, advantage_config(a))
@@ -184,8 +205,9 @@ def rl_step(run: Run) -> dict:
     row["zero_signal_groups"] = adv.zero_signal_frac.get("ACT", 0.0)
     row["zero_signal_groups_rehearse"] = adv.zero_signal_frac.get("REHEARSE", 0.0)
     # 4-6. pack, old/ref log-probs, update
-    row.update(policy_update(run, episodes, stage="rl"))
-    row["weight_sync_s"] = sync_generation_weights(run)
+    with phase("update"):
+        row.update(policy_update(run, episodes, stage="rl"))
+        row["weight_sync_s"] = sync_generation_weights(run)
     return row
 
 
@@ -206,8 +228,9 @@ def sft_step(run: Run) -> dict:
     run.state.sft_cursor += cfg.sft.tasks_per_step
     episodes = [gold_episode(run, t) for t in tasks]
     row = {"stage": "sft"}
-    row.update(policy_update(run, episodes, stage="sft"))
-    row["weight_sync_s"] = sync_generation_weights(run)
+    with phase("update"):
+        row.update(policy_update(run, episodes, stage="sft"))
+        row["weight_sync_s"] = sync_generation_weights(run)
     return row
 
 

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import failures
+
 
 @dataclass
 class DistInfo:
@@ -303,7 +305,9 @@ def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     if not info.sharded:
         return t
     out = _on_compute_device(t, info).clone()
+    failures.progress()   # entering: the wait is the collective timeout's, not the watchdog's
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    failures.progress()
     return out
 
 
@@ -325,20 +329,26 @@ def all_gather_object(obj, info: DistInfo) -> list:
     if not info.sharded:
         return [obj]
     out = [None] * info.world_size
+    failures.progress()
     dist.all_gather_object(out, obj)
+    failures.progress()
     return out
 
 
 def barrier(info: DistInfo) -> None:
     if info.sharded:
+        failures.progress()
         dist.barrier()
+        failures.progress()
 
 
 def broadcast_object(obj, info: DistInfo, src: int = 0):
     if not info.sharded:
         return obj
     box = [obj]
+    failures.progress()
     dist.broadcast_object_list(box, src=src)
+    failures.progress()
     return box[0]
 
 
