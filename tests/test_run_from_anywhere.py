@@ -1,0 +1,86 @@
+"""`python -m fastrehearse.train` and `torchrun -m fastrehearse.train` work from the repository
+root and from any other folder, with a regular (non-editable) install.
+
+From the root, `-m` puts the working directory first on sys.path, so the source folder
+`fastrehearse/` shadows the installed package; the wheel installs the top-level `kernels/` as
+`fastrehearse.kernels`, which that folder lacks (`fastrehearse/__init__.py` maps it). The venv
+here gets the wheel (non-editable) and reaches the development venv's other packages through a
+.pth file -- which Python does not scan for further .pth files, so the editable install's
+finder is absent, as on a user's machine.
+"""
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("installed")
+    src = tmp / "src"
+    src.mkdir()
+    for item in ("setup.py", "README.md"):
+        shutil.copy(ROOT / item, src / item)
+    for d in ("fastrehearse", "kernels", "configs"):
+        shutil.copytree(ROOT / d, src / d, ignore=shutil.ignore_patterns("__pycache__"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "w"),
+                          str(src)], check=True, capture_output=True, timeout=300)
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                                "['purelib'])"], capture_output=True, text=True,
+                               check=True).stdout.strip())
+    (site / "dev_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    wheel = next((tmp / "w").glob("fastrehearse-*.whl"))
+    subprocess.run(pip + ["--python", str(py), "install", "--no-deps", "--no-index", str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    return py, site
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train(py, cwd, run_dir, torchrun=False):
+    launcher = ["-m", "torch.distributed.run", "--nproc_per_node=1", "--master_addr=127.0.0.1",
+                f"--master_port={_free_port()}"] if torchrun else []
+    cmd = [str(py), *launcher, "-m", "fastrehearse.train", "--config", str(ROOT / "configs/smoke.yaml"),
+           "--set", f"run_dir={run_dir}", "--set", "steps=1", "--set", "eval.num_tasks=0",
+           "--set", "checkpoint.export=false", "--set", "log.progress=false"]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(run_dir.parent)})
+
+
+WHERE = "import fastrehearse, fastrehearse.kernels as k; print(fastrehearse.__file__); print(k.__file__)"
+
+
+def test_import_from_the_root_and_elsewhere(installed, tmp_path):
+    py, site = installed
+    root = subprocess.run([str(py), "-c", WHERE], cwd=ROOT, capture_output=True, text=True)
+    assert root.returncode == 0, root.stderr[-2000:]
+    pkg, kern = root.stdout.split()
+    assert pkg == str(ROOT / "fastrehearse" / "__init__.py")       # the source folder shadows
+    assert kern == str(ROOT / "kernels" / "__init__.py")             # ... and finds its kernels
+    away = subprocess.run([str(py), "-c", WHERE], cwd=tmp_path, capture_output=True, text=True)
+    assert away.returncode == 0, away.stderr[-2000:]
+    assert all(p.startswith(str(site)) for p in away.stdout.split())   # the installed package
+
+
+@pytest.mark.parametrize("torchrun", [False, True])
+@pytest.mark.parametrize("where", ["root", "elsewhere"])
+def test_train_module_runs(installed, tmp_path, torchrun, where):
+    py, _ = installed
+    out = _train(py, ROOT if where == "root" else tmp_path, tmp_path / "run", torchrun)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
