@@ -29,6 +29,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
     # The config presets live in the repository's configs/ (other tools read them there); they
     # are shipped inside the package as `fastrehearse.configs` (importlib.resources.files).
     packages=core + ["fastrehearse.kernels", "fastrehearse.configs"],

@@ -105,7 +105,7 @@ def fresh_venv(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("kernels_install")
     src = tmp / "src"
     src.mkdir()
-    for item in ("setup.py", "README.md"):
+    for item in ("setup.py", "README.md", "LICENSE"):
         shutil.copy(ROOT / item, src / item)
     for d in ("fastrehearse", "kernels", "configs"):
         shutil.copytree(ROOT / d, src / d, ignore=shutil.ignore_patterns("__pycache__"))
@@ -130,6 +130,9 @@ def fresh_venv(tmp_path_factory):
 
 def test_wheel_requires_only_torch_and_triton(fresh_venv):
     py, _, _ = fresh_venv
+    lic = _run(py, "import importlib.metadata as m; d = m.distribution('fastrehearse'); "
+                   "print(d.metadata['License']); print(any('LICENSE' in str(f) for f in d.files))")
+    assert lic.stdout.split() == ["Apache-2.0", "True"], lic.stderr
     out = _run(py, "import importlib.metadata as m; print('\\n'.join(m.requires('fastrehearse')))")
     assert out.returncode == 0, out.stderr
     base = [Requirement(r) for r in out.stdout.split("\n") if r]

@@ -26,7 +26,7 @@ def installed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("installed")
     src = tmp / "src"
     src.mkdir()
-    for item in ("setup.py", "README.md"):
+    for item in ("setup.py", "README.md", "LICENSE"):
         shutil.copy(ROOT / item, src / item)
     for d in ("fastrehearse", "kernels", "configs"):
         shutil.copytree(ROOT / d, src / d, ignore=shutil.ignore_patterns("__pycache__"))
