@@ -138,3 +138,19 @@ def test_tis_cap_checks():
         load_config(CONFIGS / "smoke.yaml", ["algo.tis_cap=0"])
     assert load_config(CONFIGS / "smoke.yaml", ["rollout.backend=vllm", "algo.tis_cap=null"]).algo.tis_cap is None
     assert load_config(CONFIGS / "smoke.yaml", ["algo.loss.entropy_coef=0"]).algo.tis_cap == 2.0
+
+
+def test_removed_key_that_did_nothing(tmp_path):
+    """algo.turn_reward_coef acted on turn rewards nothing in the trainer produces: gone. Its old
+    default still loads (a reused run_dir config.yaml), any other value is refused saying why."""
+    from fastrehearse.train.config import AlgoConfig
+    assert "turn_reward_coef" not in AlgoConfig.__dataclass_fields__
+    p = tmp_path / "c.yaml"
+    p.write_text("algo:\n  turn_reward_coef: 1.0\n  leave_one_out: true\n")
+    assert load_config(p).algo.leave_one_out is True
+    p.write_text("algo:\n  turn_reward_coef: 0.5\n")
+    with pytest.raises(ConfigError, match=r"'algo.turn_reward_coef' was removed: .*never changed a run"):
+        load_config(p)
+    with pytest.raises(ConfigError, match=r"'algo.turn_reward_coef' was removed"):
+        load_config(None, ["algo.turn_reward_coef=2"])
+    assert load_config(None, ["algo.turn_reward_coef=1.0"]).algo.leave_one_out is False

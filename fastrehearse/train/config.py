@@ -101,7 +101,6 @@ class EvalConfig:
 class AlgoConfig:
     std_normalize: bool = False     # off by default, as in the paper's code (and Dr. GRPO)
     leave_one_out: bool = False
-    turn_reward_coef: float = 1.0
     aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
     norm_len: float | None = None   # Dr. GRPO constant (default: rollout.max_episode_tokens)
     updates_per_batch: int = 1      # optimizer steps per rollout batch (1 = strictly on-policy)
@@ -270,6 +269,29 @@ def _build(cls, kwargs: dict, prefix: str):
         raise ConfigError(f"config section '{prefix.rstrip('.') or '<root>'}': {e}") from None
 
 
+# Keys that existed and did nothing: a config that sets one to its old default (e.g. a run_dir's
+# config.yaml reused) loads unchanged -- the key never affected a run; any other value is refused,
+# saying why, rather than silently ignored.
+REMOVED_KEYS = {
+    "algo.turn_reward_coef": (1.0, "it scaled Episode.metadata['turn_rewards'], which no environment "
+                                   "the trainer runs produces (and episodes lose their metadata before "
+                                   "advantages), so it never changed a run; turn-level rewards remain "
+                                   "in fastrehearse.algo.compute_advantages (AdvantageConfig."
+                                   "turn_reward_coef) for episodes you build yourself"),
+}
+
+
+def _removed(key: str, value) -> bool:
+    """True if `key` is a removed key set to its old default (skip it); refuses any other value."""
+    if key not in REMOVED_KEYS:
+        return False
+    default, why = REMOVED_KEYS[key]
+    if value == default:
+        return True
+    raise ConfigError(f"config key '{key}' was removed: {why}; delete it from the config "
+                      f"(got {value!r})")
+
+
 def from_dict(cls, data: dict, prefix: str = "", seen: set | None = None):
     """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types. The dotted
     keys given are added to `seen` (to tell a default from an explicit value)."""
@@ -282,6 +304,8 @@ def from_dict(cls, data: dict, prefix: str = "", seen: set | None = None):
     for k, v in data.items():
         key = f"{prefix}{k}"
         if k not in names:
+            if _removed(key, v):
+                continue
             raise _unknown(key, names)
         if seen is not None:
             seen.add(key)
@@ -307,6 +331,8 @@ def apply_override(cfg, assignment: str, seen: set | None = None):
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {dotted}: cannot parse value {raw!r}: {e}") from None
+    if _removed(dotted, value):
+        return cfg
     parts = dotted.split(".")
     obj = cfg
     for i, part in enumerate(parts):

@@ -215,7 +215,6 @@ def rl_step(run: Run) -> dict:
 def advantage_config(a) -> AdvantageConfig:
     """The advantage settings of `algo` (an AlgoConfig): what rl_step and the signal probe use."""
     return AdvantageConfig(std_normalize=a.std_normalize, leave_one_out=a.leave_one_out,
-                           turn_reward_coef=a.turn_reward_coef,
                            gate_rehearse_on_act=a.world_reward.gate == "act_signal")
 
 
