@@ -73,6 +73,32 @@ def test_tile_stats_match_float64(case, temperature):
     assert ent2 is None and torch.equal(lp2, got[0])
 
 
+@pytest.mark.parametrize("case", ["odd", "large_logits"])
+def test_tile_stats_tolerance_fails_planted_bugs(case):
+    """The bound above (with its 16 U32 |ref| term) still fails what the kernel test exists for:
+    the vocabulary tile holding a row's largest logit lost from the online lse (a merge /
+    rescale bug), and the last, partial tile left out (a masking bug), against the kernel's own
+    correct output on the same inputs."""
+    n, h, v, kw = CASES[case]
+    x, w, t = _inputs(n, h, v, seed=n * 131 + v, **kw)
+    t[0] = t[-1] = v - 1          # targets in the last (partial) vocabulary tile, as above
+    inv = 1.0 / 0.7
+    logp, _, lse, *_ = _ref_stats(x, w, t, inv)
+    mag = float((x.double().abs() @ w.double().abs().T).max()) * inv
+    tol = lambda ref: 1e-6 + 4 * U32 * mag + 16 * U32 * float(ref.abs().max())  # noqa: E731
+    got = fused_row_stats(x, w, t, inv, True)
+    assert float((got[0].double() - logp).abs().max()) <= tol(logp)
+    assert float((got[2].double() - lse).abs().max()) <= tol(lse)
+    z = (x.double() @ w.double().T) * inv
+    tile = (torch.arange(v) // BN)[None, :]
+    lost_max = torch.where(tile != (z.argmax(-1) // BN)[:, None], z, -torch.inf).logsumexp(-1)
+    assert float((lost_max - lse).abs().max()) > 10 * tol(lse)
+    # the partial tile unread: its target logits taken as 0 (rows 0 and n - 1)
+    unread = logp.clone()
+    unread[[0, -1]] = -lse[[0, -1]]
+    assert float((unread - logp).abs().max()) > 10 * tol(logp)
+
+
 def test_confident_rows_keep_the_off_target_mass():
     """off = sum_{j != t} p_j with its relative precision down to 1 - p_t ~ 4e-9 (never 1 - p_t)."""
     x, w, t = confident_rows()
