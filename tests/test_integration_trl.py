@@ -673,3 +673,18 @@ def test_each_rule_example_takes_its_path(tmp_path, saved_llama, rule):
     else:
         assert why is not None and why.endswith(rule.why)
         assert why.startswith(rule.name(tr) if rule.name else rule.setting)
+
+
+@pytest.mark.parametrize("version,ok", [("1.16.0", True), ("1.16.3", True), ("1.16.0.dev0", True),
+                                        ("1.15.2", False), ("1.17.0", False), ("2.0.0", False)])
+def test_trl_outside_the_tested_range_is_refused_in_one_line(version, ok):
+    """The adapter overrides GRPOTrainer's private methods: another TRL release is refused, naming
+    the installed version and the range to install, instead of training silently wrong."""
+    if ok:
+        fr_trl.check_trl_version(version)
+        return
+    with pytest.raises(fr_trl.UnsupportedTRLError) as e:
+        fr_trl.check_trl_version(version)
+    assert "\n" not in str(e.value) and f"trl {version} is installed" in str(e.value)
+    assert "pip install 'trl>=1.16,<1.17'" in str(e.value)
+    assert fr_trl.check_trl_version(trl.__version__) is None   # the installed one is in range

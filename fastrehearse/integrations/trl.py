@@ -83,9 +83,31 @@ class _LossRequest:
             entropy=None if out.entropy is None else out.entropy.view(b, c))
 
 
+# FastGRPOTrainer overrides GRPOTrainer's private methods (_compute_loss,
+# _get_per_token_logps_and_entropies), whose signatures and semantics change between TRL
+# releases: a version outside the tested range could be silently wrong, so it is refused.
+TESTED_TRL = ((1, 16), (1, 17))     # >= 1.16, < 1.17 (tests/test_integration_trl.py: 1.16.0)
+
+
+class UnsupportedTRLError(ImportError):
+    """The installed TRL is outside the range the adapter is tested against."""
+
+
+def check_trl_version(version: str) -> None:
+    from packaging.version import Version
+    v = Version(version)
+    lo, hi = (Version(".".join(map(str, t))) for t in TESTED_TRL)
+    if not lo <= Version(v.base_version) < hi:
+        raise UnsupportedTRLError(
+            f"fastrehearse's TRL adapter is tested with trl >= {lo}, < {hi}; trl {version} is "
+            f"installed: pip install 'trl>={lo},<{hi}' (it overrides GRPOTrainer's private loss "
+            f"methods, which other releases change)")
+
+
 def _grpo_trainer_class():
-    from trl import GRPOTrainer  # the peer is imported only when the adapter is used
-    return GRPOTrainer
+    import trl  # the peer is imported only when the adapter is used
+    check_trl_version(trl.__version__)
+    return trl.GRPOTrainer
 
 
 class _FastGRPOMixin:
