@@ -77,6 +77,22 @@ def kv_bytes_per_token(model) -> int:
     return 2 * c.num_hidden_layers * heads * head_dim * next(model.parameters()).element_size()
 
 
+def check_cpu_head_size(model) -> None:
+    """vLLM's CPU attention has kernels for some head sizes only (asked from vLLM itself); another
+    one (the smoke preset's tiny model has 16) used to kill the engine mid-rollout."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        sizes = list(CPUAttentionBackend.get_supported_head_sizes())
+    except (ImportError, AttributeError):   # another vLLM layout: let vLLM judge at start-up
+        return
+    if head_dim not in sizes:
+        raise VLLMStartError(f"vLLM's CPU attention has no kernel for this model's head size "
+                             f"{head_dim} (it has {sizes}): use rollout.backend=hf for it, or a "
+                             f"model whose head size is one of those")
+
+
 def context_length(model) -> int:
     return int(getattr(model.config, "max_position_embeddings", None) or 8192)
 
@@ -172,6 +188,7 @@ class VLLMBackend:
         per_token = kv_bytes_per_token(model)
         self.max_model_len = context_length(model)
         if not self.cuda:   # checked here, before the start-up (80-160 s on 2 CPU cores)
+            check_cpu_head_size(model)
             kv_tokens = opts.kv_cache_gib * (1 << 30) // per_token
             if kv_tokens < max_episode_tokens:
                 raise VLLMStartError(
