@@ -12,7 +12,10 @@ LM-head variants: bias, logit_scale, logit_softcap), A_t = advantage, sg = stop-
       pg_loss="ppo_clip":  l_pg = max(-A rho, -A clip(rho, 1 - clip_low, 1 + clip_high))
                            l_pg = min(l_pg, -c A)          if dual_clip = c and A < 0
       pg_loss="cispo":     l_pg = -sg(min(rho, 1 + clip_high)) A logp
-      l = l_pg + kl_coef * KL(logp, ref_logp) [* rho if kl_ratio] - entropy_coef * H
+      l = g_t l_pg + kl_coef * KL(logp, ref_logp) [* rho if kl_ratio] - entropy_coef * H
+          g_t = pg_weights[t] (detached; 1 if not given): a per-token factor on the policy
+          gradient term alone -- truncated importance sampling against the rollout engine's
+          log-probs (fastrehearse.algo.tis), which must not scale a KL penalty or entropy bonus
           KL: k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = exp(ref - logp) - (ref - logp) - 1
     OBSERVED:       l = -logp                          (supervised CE on real tool responses)
     CONTEXT:        nothing (and no projection work)
@@ -198,7 +201,7 @@ def log_ratio(logp, old, rl, seq, cfg: PolicyLossConfig):
     return (num / cnt.clamp_min(1.0))[seq]
 
 
-def token_loss(logp, ent, roles, adv, old, ref, cfg: PolicyLossConfig, seq=None):
+def token_loss(logp, ent, roles, adv, old, ref, cfg: PolicyLossConfig, seq=None, pg_w=None):
     """Per-token loss l_t (autograd-friendly torch; the unfused path and the spec in code).
 
     Selections use torch.where so NaN inputs at tokens of another role never leak in.
@@ -213,6 +216,8 @@ def token_loss(logp, ent, roles, adv, old, ref, cfg: PolicyLossConfig, seq=None)
                            -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high))
         if cfg.dual_clip is not None:
             pg = torch.where(adv < 0, torch.minimum(pg, -cfg.dual_clip * adv), pg)
+    if pg_w is not None:
+        pg = pg * torch.where(rl, pg_w, torch.ones_like(pg_w)).detach()
     l_rl = pg
     if cfg.kl_coef != 0.0:
         ref = torch.where(rl, ref, logp.detach())
@@ -233,7 +238,7 @@ def _kl(logp, ref, kl_type):
     return torch.exp(d) - d - 1.0
 
 
-def _token_terms(logp, ent, roles, adv, lr, ref, scale, cfg: PolicyLossConfig):
+def _token_terms(logp, ent, roles, adv, lr, ref, scale, cfg: PolicyLossConfig, pg_w=None):
     """Fused path: per-token loss l_t and its explicit derivatives (fp32 [C] vectors).
 
     lr: the (detached) log importance ratio per token (see log_ratio). The derivatives are
@@ -264,6 +269,9 @@ def _token_terms(logp, ent, roles, adv, lr, ref, scale, cfg: PolicyLossConfig):
             dual = (adv < 0) & (pg > cap)
             pg = torch.where(dual, cap, pg)
             d_pg = torch.where(dual, zero, d_pg)
+    if pg_w is not None:                             # a constant factor on l_pg and its slope
+        gw = torch.where(rl, pg_w, torch.ones_like(pg_w))
+        pg, d_pg = pg * gw, d_pg * gw
     l, g1 = pg, d_pg
     kl = None
     if cfg.kl_coef != 0.0:
@@ -406,7 +414,7 @@ def _fused_sweep(x, w, plan, need_dx, need_dw, need_db=False):
             lr = torch.where(_rl_mask(r_c), lp - plan.old[s:e], torch.zeros_like(lp))
         l, g1, g2, (ratio, clipped, dual, kl) = _token_terms(
             lp, h, r_c, plan.adv[s:e], lr, None if plan.ref is None else plan.ref[s:e],
-            plan.scale[s:e], plan.cfg)
+            plan.scale[s:e], plan.cfg, None if plan.pg_w is None else plan.pg_w[s:e])
         loss_parts.index_add_(0, r_c, l * plan.scale[s:e])
         plan.logp[s:e] = lp
         if plan.ent is not None:
@@ -550,7 +558,8 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
                        config: PolicyLossConfig | None = None, *,
                        ref_logp: torch.Tensor | None = None,
                        normalizers: Mapping | Sequence[float] | torch.Tensor | None = None,
-                       token_weights: torch.Tensor | None = None, backend: str = "auto",
+                       token_weights: torch.Tensor | None = None,
+                       pg_weights: torch.Tensor | None = None, backend: str = "auto",
                        fused: bool = True, with_entropy: bool = False,
                        check_finite: bool = True,
                        chunk_size: int | None = None, bias: torch.Tensor | None = None,
@@ -573,6 +582,11 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
             missing role is 0) or a length-NUM_ROLES sequence / 1-D tensor indexed by role id.
             Default: this call's counts.
         token_weights: [N] float per-token c_t replacing 1/n_r (see module docstring).
+        pg_weights: [N] float per-token factor g_t on the policy-gradient term only (not on the
+            KL term, the entropy bonus or OBSERVED's CE), read at ACT/REHEARSE tokens; no
+            gradient flows into it. Truncated importance sampling against the rollout engine
+            (`fastrehearse.algo.tis`) is its use: with token_weights it would scale KL and
+            entropy too.
         backend: as in `linear_logprobs`. "triton-fused" fuses the logits GEMM with the
             log-sum-exp where only the forward runs (no gradient wanted: old / reference
             log-probs, evaluation); a sweep with a gradient needs each chunk's logits for dZ and
@@ -581,7 +595,7 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
             importance_sampling="sequence" always runs the latter (a sequence's ratio needs all
             its tokens' log-probs before any gradient).
         with_entropy: compute the entropy even when entropy_coef == 0 (for metrics).
-        check_finite: raise ValueError on NaN/inf advantages/old_logp/ref_logp/token_weights at
+        check_finite: raise ValueError on NaN/inf advantages/old_logp/ref_logp/token_weights/pg_weights at
             loss-bearing tokens (one reduction + sync; disable in hot loops if inputs are trusted).
         bias, logit_softcap, logit_scale: LM-head variants, as in `linear_logprobs`.
         seq_ids: [N] integer sequence id of each token; required by
@@ -613,6 +627,7 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
     _check_vec("old_logp", old_logp, n, dev, required=False)
     _check_vec("ref_logp", ref_logp, n, dev, required=cfg.kl_coef != 0.0)
     _check_vec("token_weights", token_weights, n, dev, required=False)
+    _check_vec("pg_weights", pg_weights, n, dev, required=False)
     seq_level = cfg.importance_sampling == "sequence"
     if seq_level and seq_ids is None:
         raise ValueError("importance_sampling='sequence' (GSPO) needs seq_ids: an [N] integer "
@@ -638,12 +653,13 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
     check_targets(t_c, rows, v)
     seq_c = _dense_seq_ids(seq_ids, rows, n, dev) if seq_level else None
     pick = lambda t: None if t is None else t.index_select(0, rows).float()  # noqa: E731
-    adv_c, old_c, ref_c, tw_c = (pick(advantages), pick(old_logp),
-                                 pick(ref_logp if cfg.kl_coef != 0.0 else None),
-                                 pick(token_weights))
+    adv_c, old_c, ref_c, tw_c, pgw_c = (pick(advantages), pick(old_logp),
+                                        pick(ref_logp if cfg.kl_coef != 0.0 else None),
+                                        pick(token_weights), pick(pg_weights))
     if check_finite:
         _check_finite(r_c, [("advantages", adv_c, True), ("old_logp", old_c, True),
-                            ("ref_logp", ref_c, True), ("token_weights", tw_c, False)], rows)
+                            ("ref_logp", ref_c, True), ("token_weights", tw_c, False),
+                            ("pg_weights", pgw_c, True)], rows)
     if tw_c is None:
         inv_n = torch.tensor([1.0 / c if c > 0 else 0.0 for c in norms], device=dev,
                              dtype=torch.float64).float()
@@ -656,7 +672,7 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
     if fused and not seq_level:
         grad_on = torch.is_grad_enabled()
         plan = _Plan(t=t_c.long().contiguous(), roles=r_c, adv=adv_c, old=old_c, ref=ref_c,
-                     scale=scale, cfg=cfg, inv_temp=inv_temp, with_entropy=with_ent,
+                     pg_w=pgw_c, scale=scale, cfg=cfg, inv_temp=inv_temp, with_entropy=with_ent,
                      backend="triton" if backend == "triton-fused" else backend, head=head,
                      fast=_fast_torch(backend, cfg.entropy_coef != 0.0, head),
                      need_dx=grad_on and hidden.requires_grad,
@@ -686,7 +702,7 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
                                       with_entropy=with_ent, backend=backend,
                                       chunk_size=chunk_size, workspace_bytes=workspace_bytes,
                                       **head_kw)
-        l = token_loss(lp_c, ent_c, r_c, adv_c, old_c, ref_c, cfg, seq_c)
+        l = token_loss(lp_c, ent_c, r_c, adv_c, old_c, ref_c, cfg, seq_c, pgw_c)
         contrib = l * scale
         loss = contrib.sum()
         with torch.no_grad():

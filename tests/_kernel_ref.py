@@ -47,7 +47,8 @@ def rel_err(a, b):
     return float((a - b).norm() / den)
 
 
-def ref_policy_loss(x, w, t, roles, adv, old, ref, cfg, normalizers=None, token_weights=None):
+def ref_policy_loss(x, w, t, roles, adv, old, ref, cfg, normalizers=None, token_weights=None,
+                    pg_weights=None):
     """float64 role-wise GRPO loss written out token by token from the spec (issue 3)."""
     n = x.shape[0]
     z = (x.double() @ w.double().T) / cfg.temperature
@@ -70,6 +71,8 @@ def ref_policy_loss(x, w, t, roles, adv, old, ref, cfg, normalizers=None, token_
             l = torch.maximum(-a * rho, -a * torch.clamp(rho, 1 - cfg.clip_low, 1 + cfg.clip_high))
             if cfg.dual_clip is not None and a < 0:
                 l = torch.minimum(l, torch.tensor(-cfg.dual_clip * a, dtype=torch.float64))
+            if pg_weights is not None:          # the policy-gradient term only
+                l = float(pg_weights[i]) * l
             if cfg.kl_coef:
                 d = float(ref[i]) - lp
                 kl = {"k1": -d, "k2": 0.5 * d * d, "k3": torch.exp(d) - d - 1}[cfg.kl_type]

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from fastrehearse.algo.tis import check_foldable, fold_into_token_weights, tis_weights
+from fastrehearse.algo.tis import tis_weights
 from fastrehearse.kernels import PolicyLossConfig, linear_policy_loss
 from fastrehearse.kernels.roles import Role
 
@@ -27,7 +27,11 @@ def test_weights_by_hand():
         tis_weights(old, rollout[:2], cap=2.0)
 
 
-def test_folded_weights_give_the_truncated_is_loss_in_float64():
+@pytest.mark.parametrize("kl_coef,entropy_coef", [(0.0, 0.0), (0.05, 0.01)])
+def test_pg_weights_give_the_truncated_is_loss_in_float64(kl_coef, entropy_coef):
+    """The truncated ratios as the kernel's pg_weights: the float64 loss that weights the
+    policy-gradient term alone, the KL penalty and entropy bonus unweighted (what verl and TRL
+    do, and what every preset with kl_coef needs on vLLM)."""
     g = torch.Generator().manual_seed(0)
     n, h, v = 40, 8, 32
     hidden = torch.randn(n, h, generator=g, dtype=torch.float64, requires_grad=True)
@@ -38,44 +42,42 @@ def test_folded_weights_give_the_truncated_is_loss_in_float64():
     with torch.no_grad():
         logp0 = torch.log_softmax(hidden @ weight.T, -1).gather(1, targets[:, None])[:, 0]
     old = logp0 + 0.05 * torch.randn(n, generator=g, dtype=torch.float64)
+    ref_lp = logp0 + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
     rollout = old + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)
     rollout[[6, 30]] = math.nan                                   # forced tokens: weight 1
     w, _ = tis_weights(old, rollout, cap=1.5)
     counts = torch.bincount(roles, minlength=4).double()
-    cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.28)
+    cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl_coef=kl_coef, entropy_coef=entropy_coef)
     # the kernel runs in fp32 (its inputs: the float64 values rounded once); the reference in float64
     h32 = hidden.detach().float().requires_grad_()
     w32 = weight.detach().float().requires_grad_()
     out = linear_policy_loss(h32, w32, targets, roles, adv.float(), old.float(), cfg,
-                             token_weights=fold_into_token_weights(roles, w, counts), backend="torch")
+                             ref_logp=ref_lp.float(), normalizers=counts, pg_weights=w.float(),
+                             backend="torch")
     hidden, weight = h32.double().detach().requires_grad_(), w32.double().detach().requires_grad_()
-    # float64 reference: PPO-clip per token, times the truncated ratio, token-mean per role
-    logp = torch.log_softmax(hidden @ weight.T, -1).gather(1, targets[:, None])[:, 0]
+    # float64 reference: PPO-clip per token times the truncated ratio, + k3 KL - entropy, token-mean
+    lsm = torch.log_softmax(hidden @ weight.T, -1)
+    logp = lsm.gather(1, targets[:, None])[:, 0]
+    ent = -(lsm.exp() * lsm).sum(-1)
     rho = (logp - old).exp()
     l_pg = torch.maximum(-adv * rho, -adv * rho.clamp(1 - 0.2, 1 + 0.28))
+    d = ref_lp - logp
+    l = w.double() * l_pg + kl_coef * (d.exp() - d - 1) - entropy_coef * ent
     rl = (roles == int(Role.ACT)) | (roles == int(Role.REHEARSE))
-    ref = (w.double() * l_pg / counts[roles])[rl].sum()
+    ref = (l / counts[roles])[rl].sum()
     # fp32 tolerance: the kernel's rounding (~1e-7 relative per op over a 32-term softmax)
     assert abs(float(out.loss) - float(ref)) < 1e-5 * max(1.0, abs(float(ref)))
     gh, gw = torch.autograd.grad(out.loss, (h32, w32))
     rh, rw = torch.autograd.grad(ref, (hidden, weight))
     assert torch.allclose(gh.double(), rh, rtol=1e-4, atol=1e-6)
     assert torch.allclose(gw.double(), rw, rtol=1e-4, atol=1e-6)
-    # without the fold (c_t = 1/N_r) the loss differs: the weights matter
+    # without the weights the loss differs: they matter
     plain = linear_policy_loss(h32.detach(), w32.detach(), targets, roles, adv.float(), old.float(), cfg,
-                               normalizers=counts, backend="torch")
+                               ref_logp=ref_lp.float(), normalizers=counts, backend="torch")
     assert abs(float(plain.loss) - float(ref)) > 1e-3
 
 
-def test_kl_or_entropy_term_is_refused():
-    check_foldable(PolicyLossConfig())
-    with pytest.raises(ValueError, match="kl_coef"):
-        check_foldable(PolicyLossConfig(kl_coef=0.01))
-    with pytest.raises(ValueError, match="entropy_coef"):
-        check_foldable(PolicyLossConfig(entropy_coef=0.01))
-
-
-def test_apply_tis_over_batches_matches_per_batch_folding():
+def test_apply_tis_over_batches_gives_each_batch_its_weights():
     from types import SimpleNamespace
     from fastrehearse.algo.tis import apply_tis
     g = torch.Generator().manual_seed(1)
@@ -84,11 +86,10 @@ def test_apply_tis_over_batches_matches_per_batch_folding():
     roll = [o + 0.5 * torch.randn(o.shape, generator=g) for o in old]
     roll[0][4] = math.nan
     batches = [SimpleNamespace(roles=r, old_logp=o) for r, o in zip(roles, old)]
-    counts = torch.tensor([[2.0, 3.0, 3.0, 1.0], [2.0, 2.0, 2.0, 1.0]], dtype=torch.float64)
-    ws, st = apply_tis(batches, roll, counts, None, cap=1.2)
+    ws, st = apply_tis(batches, roll, cap=1.2)
     for b, r, w in zip(batches, roll, ws):
         tw, _ = tis_weights(b.old_logp, r, 1.2)
-        assert torch.equal(w, fold_into_token_weights(b.roles, tw, counts[0]))
+        assert torch.equal(w, tw)
     # in float64, as apply_tis computes them: an fp32 subtract + exp + 8-term mean here would
     # round at ~3e-7 relative, a third of the 1e-6 below, in whichever order the CPU sums (issue 43)
     ratios = torch.cat([(o.double() - r.double()).exp()[torch.isfinite(r)]

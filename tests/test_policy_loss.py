@@ -108,6 +108,44 @@ def test_token_weights_match_reference_and_logp_matches_linear_logprobs():
     assert not out.logp.requires_grad
 
 
+@pytest.mark.parametrize("name", ["k3_entropy_temp", "k1", "dual_clip"])
+def test_pg_weights_scale_the_policy_gradient_term_only(name):
+    """pg_weights (truncated IS against the rollout engine) multiply l_pg alone: every path ==
+    the float64 reference that scales only that term, with a KL term, an entropy bonus and
+    OBSERVED CE present; NaN at tokens it is not read; and it differs from folding the same
+    weights into token_weights (which would scale KL and entropy too)."""
+    cfg = CONFIGS[name]
+    batch = make_batch(seed=11 + len(name), temperature=cfg.temperature)
+    n = batch["hidden"].shape[0]
+    g = torch.Generator().manual_seed(5)
+    rl = (batch["roles"] == ACT) | (batch["roles"] == REH)
+    pgw = torch.where(rl, 0.2 + 1.6 * torch.rand(n, generator=g), torch.full((n,), float("nan")))
+    ref_loss, ref_dx, ref_dw = reference(batch, cfg, pg_weights=pgw)
+    for fused, backend in (PATHS if name == "k3_entropy_temp" else FAST_PATHS):
+        out, dx, dw = run(batch, cfg, fused, backend, pg_weights=pgw, chunk_size=16)
+        assert abs(out.loss.item() - ref_loss.item()) <= TOL * max(1.0, abs(ref_loss.item()))
+        assert rel_err(dx, ref_dx) <= TOL, (fused, backend)
+        assert rel_err(dw, ref_dw) <= TOL, (fused, backend)
+    counts = torch.bincount(batch["roles"], minlength=4).double()
+    folded = torch.where(rl, pgw, torch.ones(n)) / counts[batch["roles"]].float()
+    if cfg.kl_coef or cfg.entropy_coef:     # folding scales them too: another loss
+        fold_loss, _, _ = reference(batch, cfg, token_weights=torch.where(
+            batch["roles"] == CTX, torch.zeros(n), folded))
+        assert abs(fold_loss.item() - ref_loss.item()) > 1e-3 * max(1.0, abs(ref_loss.item()))
+    ones, _, _ = run(batch, cfg, True, "torch", pg_weights=torch.where(rl, torch.ones(n), pgw))
+    plain, _, _ = run(batch, cfg, True, "torch")
+    assert torch.equal(ones.loss, plain.loss)        # g = 1 is exactly no weight
+
+
+def test_pg_weights_not_finite_at_a_loss_bearing_token_is_refused():
+    batch = make_batch(seed=3)
+    pgw = torch.ones(batch["hidden"].shape[0])
+    k = int(((batch["roles"] == ACT)).nonzero()[0, 0])
+    pgw[k] = float("inf")
+    with pytest.raises(ValueError, match=rf"pg_weights\[{k}\] = inf is not finite"):
+        run(batch, PolicyLossConfig(), True, "torch", pg_weights=pgw)
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_micro_batches_with_global_normalizers_equal_one_call(fused):
     cfg = PolicyLossConfig(w_observed=0.3, kl_coef=0.1, dual_clip=1.5)

@@ -210,7 +210,9 @@ def _items(out):
 def test_training_on_vllm_syncs_weights_and_logs_tis(tmp_path):
     """`fastrehearse train` with rollout.backend=vllm (its own process and vLLM instance): SFT steps
     then RL steps; every step records weight_sync_s, RL steps the truncated-IS ratio, which stays 1
-    to ~1e-6 after the SFT updates -- vLLM sampled from the trainer's current weights."""
+    to ~1e-6 after the SFT updates -- vLLM sampled from the trainer's current weights. With a KL
+    term and the smoke preset's entropy bonus beside TIS (TIS weights the policy-gradient term
+    alone; the combination used to be refused)."""
     import json
     import os
     import subprocess
@@ -221,7 +223,7 @@ def test_training_on_vllm_syncs_weights_and_logs_tis(tmp_path):
          "--set", f"run_dir={run}", "--set", "rollout.backend=vllm", "--set", "model.options.hidden_size=128",
          "--set", "model.options.num_heads=2", "--set", "model.options.num_kv_heads=1",
          "--set", "rollout.vllm.enforce_eager=true", "--set", "rollout.vllm.kv_cache_gib=1",
-         "--set", "checkpoint.export=false", "--set", "algo.loss.entropy_coef=0", "--set", "eval.num_tasks=0",
+         "--set", "checkpoint.export=false", "--set", "algo.loss.kl_coef=0.01", "--set", "eval.num_tasks=0",
          "--set", "steps=2"],
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True, text=True,
         timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -232,6 +234,7 @@ def test_training_on_vllm_syncs_weights_and_logs_tis(tmp_path):
     assert all(r["weight_sync_s"] > 0 for r in steps)
     for r in steps[2:]:
         assert abs(r["tis_ratio_mean"] - 1) < 1e-3 and r["tis_ratio_max"] < 1.01
+        assert any("kl" in k for k in r), sorted(r)          # the KL term ran beside TIS
 
 
 def test_engine_death_mid_rollout_is_one_line(tiny, vllm_backend):

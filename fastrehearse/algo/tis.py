@@ -11,19 +11,15 @@ policy-gradient term is reweighted by the truncated ratio
 (a constant: no gradient flows through it; C = the cap, `algo.tis_cap`). Tokens the backend did not
 sample (forced turns, CONTEXT / OBSERVED tokens: rollout log-prob NaN) keep w_t = 1.
 
-In the fused loss (kernels/policy_loss.py: loss = sum_r w_r sum_{t in r} c_t l_t) the weight folds
-into the per-token factor c_t (`token_weights`): c_t' = w_t * c_t, where c_t is 1 / N_r (token-mean)
-or the aggregation's weight. c_t scales the whole per-token loss l_t, so the fold is exact only
-when l_t is the policy-gradient term alone: kl_coef = 0 and entropy_coef = 0 (`check_foldable`);
-with a KL or entropy term it would reweight those too, so it is refused rather than approximated.
+In the fused loss (kernels/policy_loss.py) the weight is `pg_weights`: a per-token factor on the
+policy-gradient term l_pg alone, so a KL penalty, an entropy bonus and OBSERVED's CE keep their own
+weights (as verl and TRL apply the correction). Every loss option combines with it.
 """
 from __future__ import annotations
 
 import math
 
 import torch
-
-from fastrehearse.kernels.roles import NUM_ROLES
 
 
 def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float
@@ -48,37 +44,16 @@ def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float
     return w, stats
 
 
-def fold_into_token_weights(roles: torch.Tensor, w: torch.Tensor, token_counts: torch.Tensor,
-                            base: torch.Tensor | None = None) -> torch.Tensor:
-    """c_t' = w_t * c_t for the fused loss's `token_weights`: c_t = base[t] when the aggregation
-    gives weights, else 1 / N_r(t) from the global per-role token counts (what `normalizers` does)."""
-    if base is None:
-        counts = token_counts.detach().to(torch.float64).reshape(-1)[:NUM_ROLES].to(roles.device)
-        inv = torch.where(counts > 0, 1.0 / counts.clamp_min(1.0), torch.zeros_like(counts))
-        base = inv[roles.long()]
-    return (base.to(torch.float64) * w.to(base.device, torch.float64)).to(torch.float32)
-
-
-def check_foldable(loss_config) -> None:
-    """TIS rides on token_weights, which scale the whole per-token loss: refuse KL / entropy terms."""
-    bad = [k for k in ("kl_coef", "entropy_coef") if getattr(loss_config, k, 0.0)]
-    if bad:
-        raise ValueError(f"truncated IS (algo.tis_cap) is folded into the loss's token weights, which would "
-                         f"also scale the {' and '.join(bad)} term(s): set algo.tis_cap to null or "
-                         f"{' and '.join('algo.loss.' + k for k in bad)} to 0")
-
-
-def apply_tis(batches, rollout_logp: list[torch.Tensor], global_counts: torch.Tensor,
-              weights: list[torch.Tensor] | None, cap: float) -> tuple[list[torch.Tensor], dict[str, float]]:
+def apply_tis(batches, rollout_logp: list[torch.Tensor], cap: float
+              ) -> tuple[list[torch.Tensor], dict[str, float]]:
     """The trainer's step (train/update.py): `rollout_logp[i]` = batch i's old_logp as packed (the
-    backend's sampled log-probs, kept before the trainer overwrites old_logp with its own),
-    `weights` = the aggregation's token weights or None (token-mean). Returns the token weights
-    with TIS folded in and this rank's ratio statistics (token-weighted over batches)."""
+    backend's sampled log-probs, kept before the trainer overwrites old_logp with its own).
+    Returns each batch's `pg_weights` for the fused loss and this rank's ratio statistics
+    (token-weighted over batches)."""
     out, n, total, maxes, capped = [], 0, 0.0, [], 0.0
     for i, b in enumerate(batches):
         w, st = tis_weights(b.old_logp, rollout_logp[i].to(b.old_logp.device), cap)
-        out.append(fold_into_token_weights(b.roles, w, global_counts[0],
-                                           None if weights is None else weights[i]).to(b.roles.device))
+        out.append(w.to(b.roles.device))
         k = st["tis_tokens"]
         n += k
         total += st["tis_ratio_mean"] * k

@@ -25,7 +25,6 @@ from typing import Any
 import yaml
 
 from fastrehearse.algo.rewards import WorldRewardConfig, check_task_reward
-from fastrehearse.algo.tis import check_foldable
 from fastrehearse.kernels import PolicyLossConfig
 from fastrehearse.model.loader import TinyModelOptions
 from fastrehearse.rollout.engine import MODES as ROLLOUT_MODES
@@ -111,8 +110,8 @@ class AlgoConfig:
     world_reward: WorldRewardConfig = field(default_factory=WorldRewardConfig)
     hybrid_baseline: typing.Literal["strata", "pooled"] = "strata"   # hybrid ACT baseline per stratum
     # Truncated importance sampling for the rollout/trainer mismatch (fastrehearse.algo.tis): each
-    # sampled token's loss is weighted by min(pi_trainer_old / pi_rollout, tis_cap). Applied with
-    # rollout.backend=vllm (on by default there); null: off.
+    # sampled token's policy-gradient term (not KL / entropy) is weighted by
+    # min(pi_trainer_old / pi_rollout, tis_cap). Applied with rollout.backend=vllm; null: off.
     tis_cap: float | None = 2.0
 
 
@@ -458,11 +457,6 @@ def validate(cfg: TrainConfig, explicit: set | frozenset = frozenset()) -> Train
         raise ConfigError(f"config key 'optim.betas' must be 2 numbers in [0, 1), got {cfg.optim.betas}")
     if cfg.algo.tis_cap is not None:
         positive("algo.tis_cap", cfg.algo.tis_cap)
-        if cfg.rollout.backend == "vllm":
-            try:
-                check_foldable(cfg.algo.loss)
-            except ValueError as e:
-                raise ConfigError(f"config key 'algo.tis_cap': {e}") from None
     if cfg.max_tokens < cfg.rollout.max_episode_tokens:
         raise ConfigError(f"config key 'max_tokens' ({cfg.max_tokens}) must be >= "
                           f"'rollout.max_episode_tokens' ({cfg.rollout.max_episode_tokens}): a "

@@ -12,13 +12,16 @@ from fastrehearse.kernels.roles import NUM_ROLES, Role
 from .config import TrainConfig
 
 
-def rl_head(cfg: TrainConfig, b, token_counts, w):
+def rl_head(cfg: TrainConfig, b, token_counts, w, pg_w=None):
     """The loss head run inside the (sharded) module's forward, where the LM-head weight is whole.
-    cfg.algo.loss is the kernel's PolicyLossConfig (temperature resolved by config.validate)."""
+    cfg.algo.loss is the kernel's PolicyLossConfig (temperature resolved by config.validate).
+    w: the aggregation's token weights (None: token-mean); pg_w: truncated-IS weights on the
+    policy-gradient term (fastrehearse.algo.tis; None: off)."""
     pcfg = cfg.algo.loss
 
     def head(hidden, weight, **head_kw):   # head_kw: the model's LM-head settings (bias, soft-cap, scale)
-        kw = {"ref_logp": b.ref_logp, "backend": cfg.model.kernel_backend, **head_kw}
+        kw = {"ref_logp": b.ref_logp, "backend": cfg.model.kernel_backend, "pg_weights": pg_w,
+              **head_kw}
         if w is None:
             kw["normalizers"] = token_counts.to(hidden.device)
         else:

@@ -37,7 +37,7 @@ def policy_update(run: Run, episodes: list[Episode], *, stage: str) -> dict:
     if stage == "rl" and cfg.algo.aggregation != "token-mean":
         weights = token_weights(batches, cfg.algo.aggregation, counts,
                                 norm_len=cfg.algo.norm_len or cfg.rollout.max_episode_tokens)
-    tis_row = {}
+    tis_row, pg_weights = {}, None
     if stage == "rl":
         # The rollout backend's own log-probs of its samples (NaN where it sampled nothing), kept
         # for truncated IS before old_logp becomes the trainer's (fastrehearse.algo.tis).
@@ -50,13 +50,13 @@ def policy_update(run: Run, episodes: list[Episode], *, stage: str) -> dict:
         if any_rank(bad > 0, info):
             return skip_step(run, {"train_tokens": n_tokens}, reason=f"{bad} non-finite old/reference log-probs")
         if tis:
-            weights, st = apply_tis(batches, rollout_lp, counts, weights, cfg.algo.tis_cap)
+            pg_weights, st = apply_tis(batches, rollout_lp, cfg.algo.tis_cap)
             tis_row = _tis_over_ranks(st, info)
 
     out = {}
     t0 = time.perf_counter()
     for _ in range(cfg.algo.updates_per_batch if stage == "rl" else 1):
-        out = _one_update(run, batches, counts, weights, stage)
+        out = _one_update(run, batches, counts, weights, stage, pg_weights)
     dt = time.perf_counter() - t0
     out.update(train_tokens=n_tokens, train_s=round(dt, 3),
                tokens_per_s=n_tokens * (cfg.algo.updates_per_batch if stage == "rl" else 1) / dt)
@@ -75,7 +75,7 @@ def _tis_over_ranks(st: dict, info: DistInfo) -> dict:
             "tis_capped_frac": capped_n / n if n else 0.0}
 
 
-def _one_update(run: Run, batches, counts, weights, stage: str) -> dict:
+def _one_update(run: Run, batches, counts, weights, stage: str, pg_weights=None) -> dict:
     cfg, info = run.cfg, run.info
     run.policy.train()
     run.optimizer.zero_grad(set_to_none=True)
@@ -83,7 +83,8 @@ def _one_update(run: Run, batches, counts, weights, stage: str) -> dict:
     stats = _LossStats()
     for i, b in enumerate(batches):
         if stage == "rl":
-            head = rl_head(cfg, b, counts[0], None if weights is None else weights[i])
+            head = rl_head(cfg, b, counts[0], None if weights is None else weights[i],
+                           None if pg_weights is None else pg_weights[i])
         else:
             head = sft_head(cfg, b, counts[0])
         res = run.policy(b, head)
