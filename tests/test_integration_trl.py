@@ -312,13 +312,22 @@ def test_loss_normalizers_match_trl_on_uneven_batch(tmp_path, loss_type, level, 
                          off_policy)
 
 
-@pytest.mark.parametrize("beta,fused", [(0.0, True), (0.04, False)])
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
-def test_vllm_importance_ratio_fused_when_beta_is_zero(tmp_path, loss_type, beta, fused):
+@pytest.mark.parametrize("beta,entropy_coef", [(0.0, 0.0), (0.04, 0.0), (0.04, 0.05)])
+@pytest.mark.parametrize("loss_type", ["bnpo", "dapo"])
+def test_vllm_importance_ratio_fused_with_kl_and_entropy(tmp_path, loss_type, beta, entropy_coef):
     """TRL's vLLM importance-sampling correction (on by default with use_vllm) scales the policy
-    term per token: folded into the kernel's per-token weights when beta = 0 (TRL's default);
-    with a KL term, which TRL leaves unscaled, TRL's loss runs instead (one warning)."""
-    compare_compute_loss(tmp_path, dict(loss_type=loss_type), True, fused, beta=beta,
+    term per token and leaves the KL term and entropy bonus unscaled: the kernel's pg_weights do
+    exactly that, so the loss stays fused with beta != 0 and an entropy bonus too (with beta != 0
+    TRL's own loss used to run)."""
+    compare_compute_loss(tmp_path, dict(loss_type=loss_type, entropy_coef=entropy_coef), True,
+                         True, beta=beta,
+                         attrs={"use_vllm": True, "vllm_importance_sampling_correction": True},
+                         is_ratio=True)
+
+
+def test_vllm_importance_ratio_on_grpo_with_kl(tmp_path):
+    """grpo (per-sequence normalizer) with the vLLM ratio and a KL term: fused too."""
+    compare_compute_loss(tmp_path, dict(loss_type="grpo"), True, True, beta=0.04,
                          attrs={"use_vllm": True, "vllm_importance_sampling_correction": True},
                          is_ratio=True)
 
@@ -344,8 +353,8 @@ def test_planted_entropy_bonus_bug_fails_the_grad_check(tmp_path, monkeypatch, l
     mixin = fr_trl._FastGRPOMixin
     real = mixin._fused_compute_loss
     monkeypatch.setattr(mixin, "_fused_compute_loss",
-                        lambda self, model, inputs, mask, tw, ent_coef, mode:
-                        real(self, model, inputs, mask, tw, 0.0, mode))
+                        lambda self, model, inputs, mask, tw, ent_coef, mode, *rest:
+                        real(self, model, inputs, mask, tw, 0.0, mode, *rest))
     out = compare_compute_loss(tmp_path, dict(loss_type=loss_type, entropy_coef=0.05), True,
                                check=False)
     gap = grad_norm_gap(out["trl"][1], out["fast"][1])

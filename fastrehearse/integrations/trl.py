@@ -59,6 +59,7 @@ class _LossRequest:
     ref_logp: torch.Tensor | None     # [B, C] when beta != 0
     token_weights: torch.Tensor       # [B, C]: TRL's normalizer as a per-token factor
     config: PolicyLossConfig
+    pg_weights: torch.Tensor | None = None   # [B, C]: vLLM importance ratios (policy term only)
     with_entropy: bool = True         # for TRL's "entropy" metric (the bonus forces it on)
     out: object = None
 
@@ -75,7 +76,8 @@ class _LossRequest:
             out = linear_policy_loss(
                 x, w, self.completion_ids.reshape(-1), roles, flat(self.advantages),
                 flat(self.old_logp), self.config, ref_logp=flat(self.ref_logp),
-                token_weights=flat(self.token_weights), with_entropy=self.with_entropy, seq_ids=seq,
+                token_weights=flat(self.token_weights), pg_weights=flat(self.pg_weights),
+                with_entropy=self.with_entropy, seq_ids=seq,
                 **head_kwargs(tr, head))
         self.out = out
         return types.SimpleNamespace(
@@ -171,11 +173,11 @@ class _FastGRPOMixin:
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
-        tw = None
+        tw = pgw = None
         if why is None:
             tw = self._token_weights(mask, inputs, mode)
-            if self._vllm_is_weights(inputs):   # beta == 0 here (rule): the ratio scales c_t only
-                tw = tw * inputs["importance_sampling_ratio"].to(tw.dtype)
+            if self._vllm_is_weights(inputs):   # TRL: the ratio scales the policy term, not KL
+                pgw = inputs["importance_sampling_ratio"].expand_as(mask).float()
             ent_coef = 0.0
             if self._entropy_bonus_enabled:
                 # TRL: loss -= coef * sum(H m) / sum(m) / GA; the kernel: -coef' * sum(c_t H_t)
@@ -186,7 +188,7 @@ class _FastGRPOMixin:
                 if float(ratio.max() - ratio.min()) > 1e-12 * float(ratio.abs().max()):
                     why = (f"entropy_coef with loss_type={self.loss_type!r} on this batch: TRL's "
                            "per-token entropy weight is not a constant multiple of its policy "
-                           "weights (per-sequence normalizer or vLLM importance ratios)")
+                           "normalizer (a per-sequence normalizer with uneven lengths)")
                 else:
                     ent_coef = float(self.entropy_coef) * float(ratio[0])
         if why is not None:
@@ -194,9 +196,9 @@ class _FastGRPOMixin:
                 _warn_once(why, f"FastGRPOTrainer: TRL's own loss on fastrehearse log-probs "
                                 f"({why})")
             return super()._compute_loss(model, inputs)
-        return self._fused_compute_loss(model, inputs, mask, tw, ent_coef, mode)
+        return self._fused_compute_loss(model, inputs, mask, tw, ent_coef, mode, pgw)
 
-    def _fused_compute_loss(self, model, inputs, mask, tw, ent_coef, mode):
+    def _fused_compute_loss(self, model, inputs, mask, tw, ent_coef, mode, pgw=None):
         prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
@@ -215,7 +217,7 @@ class _FastGRPOMixin:
             kl_ratio=bool(self.beta != 0.0 and self.args.use_bias_correction_kl),
             entropy_coef=ent_coef, temperature=float(self.temperature))
         req = _LossRequest(completion_ids, mask.bool(), adv.float(), old, ref, tw, cfg,
-                           with_entropy=self.entropy_metric or ent_coef != 0.0)
+                           pg_weights=pgw, with_entropy=self.entropy_metric or ent_coef != 0.0)
         extra = {"output_router_logits": True} if self.aux_loss_enabled else {}
         out = model(input_ids=input_ids, attention_mask=attention_mask, fused_lm_head=True,
                     fastrehearse_loss=req, **extra)

