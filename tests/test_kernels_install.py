@@ -8,15 +8,13 @@ no system site-packages, so transformers & co. are really absent, and triton is 
 second half.
 """
 import importlib.metadata as md
-import os
-import shutil
 import subprocess
-import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+
+from _wheel import bare_venv, build_wheel, install_wheel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,28 +101,11 @@ def _run(py, code, **env):
 @pytest.fixture(scope="module")
 def fresh_venv(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("kernels_install")
-    src = tmp / "src"
-    src.mkdir()
-    for item in ("setup.py", "README.md", "LICENSE"):
-        shutil.copy(ROOT / item, src / item)
-    for d in ("fastrehearse", "kernels", "configs"):
-        shutil.copytree(ROOT / d, src / d, ignore=shutil.ignore_patterns("__pycache__"))
-    wheels = tmp / "wheels"
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels),
-                          str(src)], check=True, capture_output=True, timeout=300)
-    venv = tmp / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
-                   timeout=120)
-    py = venv / "bin" / "python"
-    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()"
-                                "['purelib'])"], capture_output=True, text=True,
-                               check=True).stdout.strip())
+    wheel = build_wheel(tmp)
+    py, site = bare_venv(tmp / "venv")
     for d in _dist_closure("torch", skip={"triton"}):
         _link_dist(d, site)
-    wheel = next(wheels.glob("fastrehearse-*.whl"))
-    subprocess.run(pip + ["--python", str(py), "install", "--no-deps", "--no-index", str(wheel)],
-                   check=True, capture_output=True, timeout=300)
+    install_wheel(py, wheel)
     return py, site, wheel
 
 

@@ -8,14 +8,14 @@ here gets the wheel (non-editable) and reaches the development venv's other pack
 .pth file -- which Python does not scan for further .pth files, so the editable install's
 finder is absent, as on a user's machine.
 """
-import shutil
 import socket
 import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
+
+from _wheel import bare_venv, build_wheel, install_wheel
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -24,25 +24,11 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("installed")
-    src = tmp / "src"
-    src.mkdir()
-    for item in ("setup.py", "README.md", "LICENSE"):
-        shutil.copy(ROOT / item, src / item)
-    for d in ("fastrehearse", "kernels", "configs"):
-        shutil.copytree(ROOT / d, src / d, ignore=shutil.ignore_patterns("__pycache__"))
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "w"),
-                          str(src)], check=True, capture_output=True, timeout=300)
-    venv = tmp / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    py = venv / "bin" / "python"
-    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()"
-                                "['purelib'])"], capture_output=True, text=True,
-                               check=True).stdout.strip())
+    wheel = build_wheel(tmp)
+    py, site = bare_venv(tmp / "venv")
+    # the development venv's packages, without its .pth files (so without the editable finder)
     (site / "dev_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    wheel = next((tmp / "w").glob("fastrehearse-*.whl"))
-    subprocess.run(pip + ["--python", str(py), "install", "--no-deps", "--no-index", str(wheel)],
-                   check=True, capture_output=True, timeout=300)
+    install_wheel(py, wheel)
     return py, site
 
 
