@@ -134,3 +134,21 @@ def test_a_run_dir_written_with_the_old_names_resumes(tmp_path):
     (out / "run.json").write_text(json.dumps(run))
     assert cli.main(argv) == 0
     assert cli.main(argv + ["--on-malformed", "end_episode"]) == 2      # a real change is refused
+
+
+def test_device_and_dtype_default_to_auto():
+    """`fastrehearse eval` picks CUDA and bfloat16 when a GPU is there, the CPU and float32
+    otherwise (it defaulted to CPU float32 even on a GPU box); a bad value is one line."""
+    import torch
+    args = cli.build_parser().parse_args(["--suite", "builtin", "--policy", "gold", "--out", "x"])
+    assert (args.device, args.dtype) == ("auto", "auto")
+    want = ("cuda", "bfloat16") if torch.cuda.is_available() else ("cpu", "float32")
+    assert cli.resolve_device_dtype("auto", "auto") == want
+    assert cli.resolve_device_dtype("cpu", "bf16") == ("cpu", "bf16")
+    with pytest.raises(cli.UsageError, match="--device must be auto, cpu or cuda"):
+        cli.resolve_device_dtype("tpu", "auto")
+    with pytest.raises(cli.UsageError, match=r"--dtype: .*float64"):
+        cli.resolve_device_dtype("cpu", "float64")
+    if not torch.cuda.is_available():
+        with pytest.raises(cli.UsageError, match="--device cuda"):
+            cli.resolve_device_dtype("cuda", "auto")

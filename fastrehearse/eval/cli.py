@@ -87,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generation backend: hf (transformers, the engine's sampler) or vllm (one vLLM "
                         "instance; rehearsal drafts share it). results.json records backend, "
                         "backend_startup_s and rollout_s")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16, float16")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     p.add_argument("--time-limit-s", type=float, default=None,
                    help="start no new chunk of items after this many seconds (rerun to resume)")
     p.add_argument("--quiet", action="store_true")
@@ -219,6 +220,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def resolve_device_dtype(device: str, dtype: str) -> tuple[str, str]:
+    """--device auto: CUDA when present; --dtype auto: bfloat16 on CUDA, float32 on the CPU (as
+    the trainer's model.precision auto). Anything else must name a device / dtype."""
+    import torch
+
+    from fastrehearse.model.loader import resolve_dtype
+    if device not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"--device must be auto, cpu or cuda, got {device!r}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: torch.cuda.is_available() is False on this machine")
+    if dtype != "auto":
+        try:
+            resolve_dtype(dtype)
+        except ValueError as e:
+            raise UsageError(f"--dtype: {e} (or auto)") from None
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return device, dtype
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Every argument checked before anything is loaded or written (UsageError names it)."""
     args.categories = _split(args.categories)
@@ -240,6 +263,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("--rehearsal-cache-gib must be finite (0 = off), got inf")
     if args.time_limit_s is not None and not args.time_limit_s > 0:
         raise UsageError(f"--time-limit-s must be > 0, got {args.time_limit_s}")
+    args.device, args.dtype = resolve_device_dtype(args.device, args.dtype)
     if args.backend == "vllm" and args.policy != "gold":   # gold forces every turn: nothing to serve
         from fastrehearse.rollout.vllm_backend import VLLMUnavailable, require_vllm
         try:
