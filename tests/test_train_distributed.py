@@ -190,3 +190,40 @@ def test_multinode_launch_on_a_loopback_hostname_is_refused(env, refused):
     assert "'node7' resolves to 127.0.1.1" in msg
     # a hostname that resolves to a routable address passes
     check_multinode_network(env=env, resolve=lambda host: "192.0.2.7", hostname="node7")
+
+
+def test_watchdog_stays_off_without_peers(monkeypatch):
+    """No process group (make demo, a CPU learning run) or a group of one: nobody waits on this
+    rank, so a long phase (an eval on the CPU) must not be ended by the watchdog."""
+    import torch.distributed as dist
+    from fastrehearse.train import failures
+    armed = []
+    monkeypatch.setattr(failures.faulthandler, "dump_traceback_later",
+                        lambda *a, **k: armed.append(a))
+    failures.start(0, 1, 1800.0, torchrun=False)           # no process group
+    with failures.phase("eval"):
+        failures.progress(force=True)
+    assert armed == [] and failures._state["timeout"] is None
+    monkeypatch.setattr(failures, "_store", lambda: object())   # a group, but of one rank
+    failures.start(0, 1, 1800.0, torchrun=False)
+    assert armed == [] and failures._state["timeout"] is None
+    failures.start(0, 2, 1800.0, torchrun=False)            # peers: armed
+    assert len(armed) == 1 and armed[0][0] == failures.watchdog_s(1800.0)
+    monkeypatch.setattr(failures.faulthandler, "cancel_dump_traceback_later", lambda: None)
+    failures.stop()
+    assert dist.is_initialized() is False
+
+
+def test_failure_origin_is_judged_by_type_not_wording():
+    """A rank's own error that mentions a timeout (a tool call) is its own, so it is reported as
+    the origin; gloo's RuntimeErrors (they name their gloo source file) and torch.distributed's
+    DistError are broken collectives, the symptom of a peer's failure."""
+    import torch.distributed as dist
+    from fastrehearse.train.failures import _is_origin
+    assert _is_origin(TimeoutError("tool call timed out after 30 s"))
+    assert _is_origin(RuntimeError("connection to the tool server timed out"))
+    assert not _is_origin(RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] "
+                                       "Read error [127.0.0.1]:10120: Connection reset by peer"))
+    assert not _is_origin(RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/"
+                                       "unbound_buffer.cc:78] Timed out waiting 5000ms for recv"))
+    assert not _is_origin(dist.DistBackendError("NCCL communicator was aborted"))

@@ -26,7 +26,6 @@ class Rule:
     name: Callable | None = None        # (trainer) -> the setting as this trainer has it
 
 
-
 RULES: tuple[Rule, ...] = (
     # -- fused: TRL's loss reproduced by linear_policy_loss (per-token weights c_t, see the doc) --
     Rule("loss_type: grpo, bnpo, dr_grpo, dapo, luspo, cispo", FUSED,

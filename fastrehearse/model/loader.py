@@ -290,6 +290,11 @@ def load_tokenizer(spec: str | os.PathLike = "smollm2", *, cache: bool = True):
 # ----------------------------------------------------------------------------------------------
 # Tiny random models (tests, smoke runs)
 
+def head_dim(config) -> int:
+    """Per-head size of a transformers config (explicit head_dim, else hidden / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def tiny_config(family: str, *, vocab_size: int, hidden_size: int = 64, num_layers: int = 2,
                 num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int | None = None,
                 initializer_range: float = 0.02, **overrides):

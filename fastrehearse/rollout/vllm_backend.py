@@ -45,6 +45,7 @@ from typing import Iterable
 
 import torch
 
+from fastrehearse.model.loader import head_dim
 from fastrehearse.rollout.segments import Sampling, Segment, SegmentRequest, StopMatcher
 from fastrehearse.rollout.vllm_options import VLLMOptions
 
@@ -73,23 +74,21 @@ def kv_bytes_per_token(model) -> int:
     """KV-cache bytes one token takes in vLLM: K and V of every layer, in the model's dtype."""
     c = model.config
     heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return 2 * c.num_hidden_layers * heads * head_dim * next(model.parameters()).element_size()
+    return 2 * c.num_hidden_layers * heads * head_dim(c) * next(model.parameters()).element_size()
 
 
 def check_cpu_head_size(model) -> None:
     """vLLM's CPU attention has kernels for some head sizes only (asked from vLLM itself); another
     one (the smoke preset's tiny model has 16) used to kill the engine mid-rollout."""
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    size = head_dim(model.config)
     try:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
         sizes = list(CPUAttentionBackend.get_supported_head_sizes())
     except (ImportError, AttributeError):   # another vLLM layout: let vLLM judge at start-up
         return
-    if head_dim not in sizes:
+    if size not in sizes:
         raise VLLMStartError(f"vLLM's CPU attention has no kernel for this model's head size "
-                             f"{head_dim} (it has {sizes}): use rollout.backend=hf for it, or a "
+                             f"{size} (it has {sizes}): use rollout.backend=hf for it, or a "
                              f"model whose head size is one of those")
 
 

@@ -39,7 +39,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fastrehearse.kernels._common import FUSED_WORKSPACE_BYTES_CUDA
 from fastrehearse.model import RehearsalModel, base_model
-from fastrehearse.model.loader import EMBEDDED_SPECS, load_model, load_tokenizer, tiny_config
+from fastrehearse.model.loader import (EMBEDDED_SPECS, head_dim, load_model, load_tokenizer,
+                                      tiny_config)
 
 from .config import ConfigError, TrainConfig
 from .model_init import empty_model
@@ -242,7 +243,7 @@ def plan(cfg: TrainConfig, world: int, gpu_memory_gib: float, arch: str | None =
     if cfg.algo.loss.kl_coef > 0:
         add(Item("resident", f"reference shards ({compute})", shard * cb, "algo.loss.kl_coef > 0"))
     backend = getattr(cfg.rollout, "backend", "hf")
-    kv_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * _head_dim(hf_config) * 2
+    kv_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim(hf_config) * 2
     rows = min(cfg.rollout.max_batch_size, math.ceil(cfg.rollout.tasks_per_step / world) * cfg.rollout.group_size)
     gen_bytes = 2 if cfg.model.precision != "fp32" else 4
     if backend == "vllm":
@@ -286,10 +287,6 @@ def plan(cfg: TrainConfig, world: int, gpu_memory_gib: float, arch: str | None =
     add(Item("update", "LM-head kernel workspace", FUSED_WORKSPACE_BYTES_CUDA, "kernels._common.FUSED_WORKSPACE_BYTES_CUDA"))
     add(Item("update", "hidden-state gradient (fp32)", t * h * 4, "returned by the fused loss"))
     return p
-
-
-def _head_dim(c) -> int:
-    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
 
 
 def print_plan(p: Plan) -> None:

@@ -58,12 +58,15 @@ def watchdog_s(timeout_s: float) -> float:
 
 
 def start(rank: int, world: int, timeout_s: float | None, torchrun: bool) -> None:
-    """Arm the watchdog and, under torchrun, the launcher monitor (both only with a process group)."""
-    _state.update(phase="setup", rank=rank, world=world, timeout=timeout_s, armed_at=0.0)
+    """Arm the watchdog (with peers: world > 1) and, under torchrun, the launcher monitor; neither
+    without a process group. Alone there is nobody to keep waiting, and a long phase (an eval on
+    the CPU) is no hang."""
+    _state.update(phase="setup", rank=rank, world=world, timeout=None, armed_at=0.0)
     _state.pop("failed_in", None)
     if _store() is None:
         return
-    if timeout_s:
+    if timeout_s and world > 1:
+        _state["timeout"] = timeout_s
         progress(force=True)
     if torchrun:
         parent = os.getppid()
@@ -173,7 +176,10 @@ def peer_failure(own: BaseException, wait_s: float = 10.0) -> str | None:
 
 
 def _is_origin(e: BaseException) -> bool:
-    """An error of this rank's own making (not a broken or timed-out collective)."""
-    text = f"{type(e).__name__} {e}".lower()
-    return not any(w in text for w in ("gloo", "nccl", "connection", "timed out", "timeout",
-                                       "disterror", "distbackenderror", "peer", "socket"))
+    """An error of this rank's own making, not a broken or timed-out collective: those are
+    torch.distributed.DistError (NCCL, the store) or gloo's RuntimeErrors, which name their gloo
+    source file ("[.../gloo/transport/tcp/pair.cc:537] Read error ... Connection reset by peer").
+    Judged by type and origin, not by words such as "timeout" an own error may contain."""
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return False
+    return not (type(e) is RuntimeError and "gloo/" in str(e))
