@@ -23,6 +23,13 @@ def fp32_atol(ref, floor=1e-5, mag=0.0, terms=1):
     return floor + 16 * U32 * big + 2 * math.sqrt(terms) * U32 * float(mag)
 
 
+def logits_atol(x, w, ref, temperature=1.0, floor=1e-5):
+    """fp32_atol for log-probs / entropies of the logits x @ w.T / T: mag = max_i sum_k
+    |x_ik w_vk| / T over the hidden size k (x: [N, k], w: [V, k])."""
+    mag = float((x.detach().double().abs() @ w.detach().double().abs().T).max()) / temperature
+    return fp32_atol(ref, floor=floor, mag=mag, terms=x.shape[-1])
+
+
 def max_abs_err(a, b):
     return float((a.detach().double() - b.detach().double()).abs().max())
 

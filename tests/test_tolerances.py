@@ -8,7 +8,7 @@ real instruction sets and thread counts are run by `make test-isa` (tests/isa_ma
 import pytest
 import torch
 
-from _kernel_ref import U32, fp32_atol, max_abs_err, ref_logprobs
+from _kernel_ref import U32, fp32_atol, logits_atol, max_abs_err, ref_logprobs
 from fastrehearse.kernels import linear_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,11 +36,6 @@ def _orders(x, w):
     return {"torch": x @ w.T, "forward": fwd, "backward": bwd, "blocks_of_4": blocks}
 
 
-def _tol(x, w, ref, floor=1e-5):
-    mag = float((x.double().abs() @ w.double().abs().T).max()) / T
-    return fp32_atol(ref, floor=floor, mag=mag, terms=H)
-
-
 def test_bound_is_8_to_16_ulps_of_the_largest_value_plus_the_floor():
     ref = torch.tensor([-75.0, 1.0])
     assert fp32_atol(ref, floor=0.0) == pytest.approx(16 * U32 * 75.0)
@@ -54,7 +49,7 @@ def test_bound_is_8_to_16_ulps_of_the_largest_value_plus_the_floor():
 def test_every_summation_order_passes(seed):
     x, w, t = _large_logits(seed)
     lp64, ent64 = ref_logprobs(x.double(), w.double(), t, temperature=T)
-    tol = _tol(x, w, lp64)
+    tol = logits_atol(x, w, lp64, T)
     assert float(lp64.abs().max()) > 100          # the regime where a fixed 1e-5 is < 1 ulp
     for name, z in _orders(x, w).items():
         lp = torch.log_softmax(z / T, -1).gather(1, t[:, None])[:, 0]
@@ -72,7 +67,7 @@ def test_planted_bugs_fail_it(bug):
     x, w, t = _large_logits(3)
     mask = torch.arange(N) % 3 != 0
     lp64, _ = ref_logprobs(x.double(), w.double(), t, mask, temperature=T)
-    tol = _tol(x, w, lp64)
+    tol = logits_atol(x, w, lp64, T)
     if bug == "target_off_by_one":
         lp, _ = linear_logprobs(x, w, t + 1, mask=mask, temperature=T, backend="torch")
     elif bug == "temperature_twice":
