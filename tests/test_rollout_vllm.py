@@ -53,13 +53,33 @@ def tiny():
 def vllm_backend(tiny):
     """The process's shared instance (what RolloutEngine(config.backend="vllm") and the eval CLI
     find for this model object), started once for the module."""
+    import psutil
     from fastrehearse.rollout.vllm_backend import close_shared, shared_backend
     model, tok, _ = tiny
     served = copy.deepcopy(model)     # the weight-sync test updates it (and restores it)
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    state = (torch.get_rng_state(), torch.get_num_threads(), torch.set_num_threads)
+    group = torch.distributed.is_initialized()     # another test module may have left one
     b = shared_backend(served, tok, RolloutConfig(max_episode_tokens=1024,
                                                   vllm=VLLMOptions(kv_cache_gib=1, enforce_eager=True)))
+    b.started_with = {"new_children": [c.pid for c in psutil.Process().children(recursive=True)
+                                       if c.pid not in before],
+                      "state_before": state, "group": group,
+                      "state_after": (torch.get_rng_state(), torch.get_num_threads(), torch.set_num_threads)}
     yield b
     close_shared()
+
+
+def test_engine_runs_in_process_and_leaves_its_state(vllm_backend):
+    """The engine lives in the calling process (no engine process that could be orphaned: nothing
+    to clean up after a SIGKILL), and its start-up leaves the process's RNG state, thread count
+    and torch.set_num_threads as they were (vLLM re-seeds and replaces the latter in-process)."""
+    st = vllm_backend.started_with
+    assert st["new_children"] == []
+    (rng0, n0, fn0), (rng1, n1, fn1) = st["state_before"], st["state_after"]
+    assert torch.equal(rng0, rng1) and n0 == n1 and fn0 is fn1
+    executor = "ExecutorWithExternalLauncher" if st["group"] else "UniProcExecutor"
+    assert vllm_backend.external is st["group"] and type(vllm_backend.engine.model_executor).__name__ == executor
 
 
 def _hf_greedy(model, prompt, n):
@@ -146,6 +166,11 @@ def test_weight_sync_serves_the_updated_model(tiny, vllm_backend):
         torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).backward()
         opt.step()
         secs = vllm_backend.sync_weights(model)
+        # streamed, not written: the engine's folder holds config and tokenizer only
+        assert not [f for f in vllm_backend.dir.iterdir() if f.suffix in (".safetensors", ".bin", ".pt")]
+        tied_extra = model.get_input_embeddings().weight if model.config.tie_word_embeddings else None
+        assert vllm_backend.last_sync_bytes == sum(p.numel() * 4 for p in model.parameters()) + (
+            tied_extra.numel() * 4 if tied_extra is not None else 0)
         after = torch.tensor(vllm_backend.logprobs_of([ids])[0], dtype=torch.float64)
         ref = trainer_lp()
         assert float((after - ref).abs().max()) < LOGPROB_TOL
@@ -235,89 +260,3 @@ def test_training_on_vllm_syncs_weights_and_logs_tis(tmp_path):
     for r in steps[2:]:
         assert abs(r["tis_ratio_mean"] - 1) < 1e-3 and r["tis_ratio_max"] < 1.01
         assert any("kl" in k for k in r), sorted(r)          # the KL term ran beside TIS
-
-
-def test_engine_death_mid_rollout_is_one_line(tiny, vllm_backend):
-    """The vLLM engine process killed while segments are in flight: the next step raises
-    BackendDied (one line), every later use too; the trainer turns it into a one-line
-    TrainingError (train/rollouts.py) and keeps its last checkpoint. Runs last: it kills the
-    module's instance."""
-    import os
-    import signal
-    from collections import Counter
-    from fastrehearse.rollout.vllm_backend import BackendDied
-    _, tok, tmpl = tiny
-    prompt = tmpl.render_prompt([{"role": "user", "content": "Add 2 and 3."}]).input_ids
-    s = vllm_backend.session(Sampling(temperature=1.0), Counter())
-    s.add([SegmentRequest(k, prompt, [0] * len(prompt), Role.ACT, 200, (), frozenset()) for k in range(4)])
-    for p in vllm_backend.engine.engine_core.resources.engine_manager.processes:
-        os.kill(p.pid, signal.SIGKILL)
-    with pytest.raises(BackendDied) as e:
-        for _ in range(1000):
-            s.step()
-    assert "died" in str(e.value) and "\n" not in str(e.value)
-    with pytest.raises(BackendDied):
-        vllm_backend.session(Sampling(), Counter())
-    cfg = RolloutConfig(backend="vllm", temperature=0.0, max_new_tokens=8, max_episode_tokens=1024)
-    with pytest.raises(BackendDied):
-        RolloutEngine(vllm_backend.model_ref, tok, cfg, template=tmpl, backend=vllm_backend).rollout(
-            calc_tasks(1), CalcEnv, seed=0)
-
-
-OWNER_SCRIPT = """
-import json, sys, time
-from fastrehearse.model import load_model
-from fastrehearse.model.loader import TinyModelOptions
-from fastrehearse.rollout.engine import VLLMOptions
-from fastrehearse.rollout.vllm_backend import VLLMBackend
-if __name__ == "__main__":    # vLLM starts its engine with spawn: the main module is re-imported
-    model, tok = load_model("tiny-llama", options=TinyModelOptions(hidden_size=128, num_heads=2, num_kv_heads=1))
-    b = VLLMBackend(model, tok, max_episode_tokens=256, options=VLLMOptions(kv_cache_gib=1, enforce_eager=True))
-    print("OWNER", json.dumps({"engine": b.engine_pids, "dir": str(b.dir), "watchdog": b.watchdog.proc.pid}),
-          flush=True)
-    time.sleep(600)
-"""
-
-
-def test_owner_killed_leaves_no_engine(tmp_path):
-    """The process owning a vLLM instance SIGKILLed (as by the OOM killer; no code of it runs): its
-    watchdog (rollout/vllm_watchdog.py) stops the engine processes (VLLM::EngineCore and its
-    workers), which vLLM leaves running otherwise, and removes the served-weights folder."""
-    import json
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-    import psutil
-    script = tmp_path / "owner.py"
-    script.write_text(OWNER_SCRIPT)
-    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    tree = []
-    try:
-        line = next(x for x in p.stdout if x.startswith("OWNER ") or p.poll() is not None)  # vLLM logs on stdout
-        info = json.loads(line.split(" ", 1)[1])
-        assert info["engine"], "the start-up created no engine process"
-        tree = [x.pid for e in info["engine"] for x in [psutil.Process(e), *psutil.Process(e).children(recursive=True)]]
-        assert os.path.isdir(info["dir"])
-        time.sleep(1)
-        os.kill(p.pid, signal.SIGKILL)
-        p.wait()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            left = [x for x in tree + [info["watchdog"]]
-                    if psutil.pid_exists(x) and psutil.Process(x).status() != psutil.STATUS_ZOMBIE]
-            if not left and not os.path.exists(info["dir"]):
-                break
-            time.sleep(0.2)
-        assert not left, f"engine processes left after the owner died: {left}"
-        assert not os.path.exists(info["dir"])
-    finally:
-        p.kill()
-        for x in tree:
-            try:
-                os.kill(x, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass

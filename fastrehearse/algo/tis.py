@@ -26,7 +26,9 @@ def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float
                 ) -> tuple[torch.Tensor, dict[str, float]]:
     """[T] weights min(exp(old - rollout), cap) where both log-probs are finite (1 elsewhere), and
     the ratio's statistics over those tokens: tis_ratio_mean, tis_ratio_max, tis_capped_frac,
-    tis_tokens."""
+    tis_tokens, and tis_logp_diff_max = max |old - rollout| (how far the backend's weights or
+    kernels are from the trainer's: ~1e-5 in fp32 right after a weight sync, > 1e-2 for an
+    engine left one optimizer step behind)."""
     if not (isinstance(cap, (int, float)) and cap > 0 and math.isfinite(cap)):
         raise ValueError(f"TIS cap must be a finite number > 0, got {cap!r}")
     if old_logp.shape != rollout_logp.shape:
@@ -40,7 +42,8 @@ def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float
     stats = {"tis_tokens": n,
              "tis_ratio_mean": float(r.mean()) if n else 1.0,
              "tis_ratio_max": float(r.max()) if n else 1.0,
-             "tis_capped_frac": float((r > cap).double().mean()) if n else 0.0}
+             "tis_capped_frac": float((r > cap).double().mean()) if n else 0.0,
+             "tis_logp_diff_max": float(log_ratio[sampled].abs().max()) if n else 0.0}
     return w, stats
 
 
@@ -50,7 +53,7 @@ def apply_tis(batches, rollout_logp: list[torch.Tensor], cap: float
     backend's sampled log-probs, kept before the trainer overwrites old_logp with its own).
     Returns each batch's `pg_weights` for the fused loss and this rank's ratio statistics
     (token-weighted over batches)."""
-    out, n, total, maxes, capped = [], 0, 0.0, [], 0.0
+    out, n, total, maxes, capped, diff = [], 0, 0.0, [], 0.0, 0.0
     for i, b in enumerate(batches):
         w, st = tis_weights(b.old_logp, rollout_logp[i].to(b.old_logp.device), cap)
         out.append(w.to(b.roles.device))
@@ -60,5 +63,6 @@ def apply_tis(batches, rollout_logp: list[torch.Tensor], cap: float
         capped += st["tis_capped_frac"] * k
         if k:
             maxes.append(st["tis_ratio_max"])
+            diff = max(diff, st["tis_logp_diff_max"])
     return out, {"tis_ratio_mean": total / n if n else 1.0, "tis_ratio_max": max(maxes, default=1.0),
-                 "tis_capped_frac": capped / n if n else 0.0, "tis_tokens": n}
+                 "tis_capped_frac": capped / n if n else 0.0, "tis_tokens": n, "tis_logp_diff_max": diff}

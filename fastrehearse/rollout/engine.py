@@ -73,7 +73,7 @@ class RolloutConfig:
                                         # several calls; False: it stops at the first </tool_call>
     on_malformed: str = "error_response"  # or "end_episode" (the one vocabulary, train and eval)
     malformed_reward: float | None = 0.0  # reward of an episode with a malformed call (None: score)
-    max_batch_size: int = 64            # episodes decoded together
+    max_batch_size: int = 64            # hf: episodes decoded together (vllm takes all at once)
     max_chunk: int = 64                 # hf: most forced tokens fed to one row in one step
     rehearsal: str = "inline"           # inline | separate (benchmark baseline)
     backend: str = "hf"                 # hf (transformers KV-cache decoding, the engine's sampler) |
@@ -255,7 +255,10 @@ class RolloutEngine:
             backend = _Lazy(lambda: self.backend)   # opened only when a row needs the model
             sim = partial(simulate, settings=settings, backend=backend, sampling=sampling, stats=stats)
             rows = [Row(settings, i, p) for i, p in enumerate(prompts)]
-            bs = self.config.max_batch_size
+            # vLLM schedules every request itself (continuous batching, its own max_num_seqs): all of
+            # this call's rows go to it at once. The HF backend decodes max_batch_size rows together.
+            vllm = (self._backend.name if self._backend is not None else self.config.backend) == "vllm"
+            bs = max(1, len(rows)) if vllm else self.config.max_batch_size
             for s in range(0, len(rows), bs):
                 decode(rows[s:s + bs], backend, sampling, stats, policy=policy, simulate=sim)
             episodes = [build_episode(r) for r in rows]

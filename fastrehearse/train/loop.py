@@ -29,14 +29,14 @@ import numpy as np
 from fastrehearse.algo import AdvantageConfig, compute_advantages
 from fastrehearse.rollout.vllm_backend import close_shared
 
+from . import failures
 from .build import Run, TrainState, apply_optim_settings, setup
 from .checkpoint import Checkpointer
 from .config import TrainConfig, warnings_for
 from .errors import DiskFullError, TrainingError
 from .export import export_hf
-from .metrics import final_table
-from . import failures
 from .failures import phase
+from .metrics import final_table
 from .parallelize import (
     DistInfo,
     all_gather_object,
@@ -47,17 +47,19 @@ from .parallelize import (
 )
 from .rollouts import (
     evaluate,
+    release_rollout_memory,
     rollout,
     rollout_row,
     slim_episode,
     start_rollout_backend,
     sync_generation_weights,
+    weight_sync_route,
 )
 from .run_dir import prepare_run_dir, write_run_config
 from .tasks import check_prompt_lengths, gold_episode, next_tasks, step_seed
 from .update import policy_update, skip_step
 
-__all__ = ["train", "rl_step", "sft_step", "TrainingError", "DiskFullError"]
+__all__ = ["DiskFullError", "TrainingError", "rl_step", "sft_step", "train"]
 
 
 # ==============================================================================================
@@ -204,10 +206,11 @@ def rl_step(run: Run) -> dict:
     # carry no signal; the same for the world model's REHEARSE.
     row["zero_signal_groups"] = adv.zero_signal_frac.get("ACT", 0.0)
     row["zero_signal_groups_rehearse"] = adv.zero_signal_frac.get("REHEARSE", 0.0)
-    # 4-6. pack, old/ref log-probs, update
+    # 4-6. pack, old/ref log-probs, update; the rollout engine's memory is the update's meanwhile
+    release_rollout_memory(run)
     with phase("update"):
         row.update(policy_update(run, episodes, stage="rl"))
-        row["weight_sync_s"] = sync_generation_weights(run)
+        row.update(sync_generation_weights(run))
     return row
 
 
@@ -229,7 +232,7 @@ def sft_step(run: Run) -> dict:
     row = {"stage": "sft"}
     with phase("update"):
         row.update(policy_update(run, episodes, stage="sft"))
-        row["weight_sync_s"] = sync_generation_weights(run)
+        row.update(sync_generation_weights(run))
     return row
 
 
@@ -278,5 +281,6 @@ def _summary(run: Run, after: dict, wall_s: float, export_dir) -> dict:
         "wall_s": wall_s, "steps": run.state.step, "skipped_steps": run.state.skipped_steps,
         "rollout_failures": run.state.rollout_failures, "world_size": run.info.world_size,
         "backend": run.cfg.rollout.backend, "backend_startup_s": run.backend_startup_s,
+        "weight_sync_route": weight_sync_route(run),
         "export_dir": str(export_dir) if export_dir else None,
     }

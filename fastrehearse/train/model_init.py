@@ -113,19 +113,24 @@ def build_reference(cfg: TrainConfig, info: DistInfo, policy: nn.Module, hf_mode
 
 
 def build_generation_model(cfg: TrainConfig, info: DistInfo, policy: nn.Module, hf_model: nn.Module) -> nn.Module:
-    """The unsharded model the HF rollout backend decodes with. Without a group it is the policy's
-    own model. With one, rollouts need the whole model on every rank (a sharded model would
-    all-gather per decode step and make every rank decode in lockstep), so a copy in the serving
-    dtype (bf16 on GPU unless model.precision is fp32), refreshed after every update (verl does the
-    same with its rollout engine)."""
-    if not info.sharded:
+    """The model rollouts are generated from. With rollout.backend=vllm, the trained module itself:
+    the engine keeps its own copy, streamed from the shards after each update (no second model on
+    the trainer's side). With hf and no group, also the trained module. With hf and a group,
+    rollouts need the whole model on every rank (a sharded model would all-gather per decode step
+    and make every rank decode in lockstep): a copy in the serving dtype, refreshed after every
+    update (verl does the same with its rollout engine)."""
+    if not info.sharded or cfg.rollout.backend == "vllm":
         return hf_model
-    dtype = torch.bfloat16 if info.device.type == "cuda" and cfg.model.precision != "fp32" else torch.float32
-    gen = empty_model(hf_model.config, dtype)
+    gen = empty_model(hf_model.config, serving_dtype(cfg, info.device))
     materialize(gen, info.device)
     gen.requires_grad_(False).eval()
     sync_generation_model(policy, hf_model, gen)
     return gen
+
+
+def serving_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    """bf16 on GPU unless model.precision is fp32; fp32 on the CPU."""
+    return torch.bfloat16 if device.type == "cuda" and cfg.model.precision != "fp32" else torch.float32
 
 
 @torch.no_grad()

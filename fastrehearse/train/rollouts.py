@@ -10,11 +10,11 @@ from fastrehearse.data import Episode
 from fastrehearse.eval.runner import EvalSettings, MemoryStore, evaluate_items
 from fastrehearse.rollout.engine import RolloutEngine
 from fastrehearse.rollout.policy import ModelPolicy
-from fastrehearse.rollout.vllm_backend import BackendDied, VLLMStartError, shared_backend
+from fastrehearse.rollout.vllm_backend import VLLMStartError, shared_backend
 
 from .build import Run
 from .errors import TrainingError
-from .model_init import sync_generation_model
+from .model_init import serving_dtype, sync_generation_model
 from .parallelize import all_gather_object
 
 
@@ -31,7 +31,7 @@ def rollout(run: Run, tasks, *, mode: str, temperature: float, seed: int, group_
     run.gen_model.eval()
     try:
         res = engine.rollout(tasks, run.suite, group_size=group_size, seed=seed)
-    except (BackendDied, VLLMStartError) as e:   # no task can run: stop (the last checkpoint stays)
+    except VLLMStartError as e:   # no task can run: stop (the last checkpoint stays)
         raise TrainingError(f"rollout: {e}; --resume continues from the last complete checkpoint") from None
     except Exception as e:  # noqa: BLE001 - any engine bug: isolate the failing task(s)
         run.logger.write(f"rollout failed on a batch of {len(tasks)} tasks ({type(e).__name__}: {e}); "
@@ -44,7 +44,7 @@ def rollout(run: Run, tasks, *, mode: str, temperature: float, seed: int, group_
     for i, t in enumerate(tasks):
         try:
             res = engine.rollout([t], run.suite, group_size=group_size, seed=seed * 1000 + i)
-        except (BackendDied, VLLMStartError) as e:
+        except VLLMStartError as e:
             raise TrainingError(f"rollout: {e}; --resume continues from the last complete checkpoint") from None
         except Exception as e:  # noqa: BLE001
             failures += 1
@@ -137,33 +137,57 @@ def evaluate(run: Run, *, tag: str) -> dict:
 
 
 def start_rollout_backend(run: Run) -> float:
-    """rollout.backend=vllm: start this process's vLLM instance on the generation model now (not in
-    the first step's rollout); its start-up seconds (0 for hf). Refusals (vLLM missing, a KV cache
-    too small) are one-line TrainingErrors."""
+    """rollout.backend=vllm: start this rank's vLLM engine, in this process on this rank's device,
+    on the generation model now (not in the first step's rollout); its start-up seconds (0 for hf).
+    Refusals (vLLM missing, a KV cache too small) are one-line TrainingErrors."""
     if run.cfg.rollout.backend != "vllm":
         return 0.0
     try:
-        b = shared_backend(run.gen_model, run.tokenizer, run.cfg.rollout)
-    except (BackendDied, VLLMStartError, ValueError) as e:
+        b = _vllm(run)
+    except (VLLMStartError, ValueError) as e:
         raise TrainingError(f"rollout.backend=vllm: {e}") from None
-    run.logger.write(f"vLLM rollout backend started in {b.startup_s:.1f} s (served from {b.dir})")
+    run.logger.write(f"vLLM engine started in {b.startup_s:.1f} s, in process on rank {run.info.rank} "
+                     f"({run.info.device}, serving {str(b.dtype).replace('torch.', '')})")
     return b.startup_s
 
 
-def sync_generation_weights(run: Run) -> float:
-    """Copy the updated weights into the unsharded generation model (distributed runs only) and,
-    with rollout.backend=vllm, into the vLLM instance (fastrehearse.rollout.vllm_backend:
-    safetensors in tmpfs, reloaded in place). Returns the seconds the sync took (metrics.jsonl
-    `weight_sync_s`)."""
-    t0 = time.perf_counter()
-    if run.gen_model is not run.hf_model:
-        sync_generation_model(run.policy, run.hf_model, run.gen_model)   # one whole tensor at a time
+def _vllm(run: Run):
+    dtype = serving_dtype(run.cfg, run.info.device)
+    return shared_backend(run.gen_model, run.tokenizer, run.cfg.rollout, dtype=dtype)
+
+
+def weight_sync_route(run: Run) -> str:
+    """How the trained weights reach the rollout model (summary.json `weight_sync_route`)."""
     if run.cfg.rollout.backend == "vllm":
-        try:
-            shared_backend(run.gen_model, run.tokenizer, run.cfg.rollout).sync_weights(run.gen_model)
-        except BackendDied as e:
-            raise TrainingError(f"weight sync: {e}; --resume continues from the last complete checkpoint") from None
-    return round(time.perf_counter() - t0, 3)
+        return "vllm in-process reload, parameter by parameter from the trainer's shards (no file)"
+    if run.gen_model is not run.hf_model:
+        return "copy into the unsharded generation model, parameter by parameter"
+    return "none (the HF backend decodes with the trained module itself)"
+
+
+def release_rollout_memory(run: Run) -> None:
+    """After a step's rollouts, before its update: the vLLM engine frees its weights and KV cache
+    (CUDA sleep mode; nothing on the CPU). The next sync_generation_weights wakes it."""
+    if run.cfg.rollout.backend == "vllm":
+        _vllm(run).release()
+
+
+def sync_generation_weights(run: Run) -> dict:
+    """Bring the rollout model up to the updated weights: with rollout.backend=vllm, stream them
+    into the vLLM engine (fastrehearse.rollout.vllm_backend: one full parameter at a time, gathered
+    from the shards, collective); with hf in a sharded run, copy them into the unsharded generation
+    model. Returns metrics.jsonl's `weight_sync_s` and, when weights moved, `weight_sync_bytes`."""
+    t0 = time.perf_counter()
+    row = {}
+    if run.cfg.rollout.backend == "vllm":
+        b = _vllm(run)
+        b.sync_weights(run.hf_model)
+        row["weight_sync_bytes"] = b.last_sync_bytes
+    elif run.gen_model is not run.hf_model:
+        sync_generation_model(run.policy, run.hf_model, run.gen_model)   # one whole tensor at a time
+        row["weight_sync_bytes"] = sum(p.numel() * p.element_size() for p in run.gen_model.parameters())
+    row["weight_sync_s"] = round(time.perf_counter() - t0, 3)
+    return row
 
 
 

@@ -67,12 +67,17 @@ def policy_update(run: Run, episodes: list[Episode], *, stage: str) -> dict:
 
 
 def _tis_over_ranks(st: dict, info: DistInfo) -> dict:
-    """The truncated-IS ratio statistics of every rank: token-weighted mean and capped share, max."""
+    """The truncated-IS ratio statistics of every rank: token-weighted mean and capped share, max;
+    the largest |trainer - engine| log-prob gap, overall and per rank (each rank's own engine)."""
     n, mean_n, capped_n = sum_over_ranks([st["tis_tokens"], st["tis_ratio_mean"] * st["tis_tokens"],
                                           st["tis_capped_frac"] * st["tis_tokens"]], info).tolist()
-    top = max(all_gather_object(st["tis_ratio_max"] if st["tis_tokens"] else None, info), key=lambda v: v or 0.0)
-    return {"tis_ratio_mean": mean_n / n if n else 1.0, "tis_ratio_max": top if top is not None else 1.0,
-            "tis_capped_frac": capped_n / n if n else 0.0}
+    per_rank = all_gather_object((st["tis_ratio_max"], st["tis_logp_diff_max"]) if st["tis_tokens"] else None, info)
+    seen = [r for r in per_rank if r is not None]
+    return {"tis_ratio_mean": mean_n / n if n else 1.0,
+            "tis_ratio_max": max((r[0] for r in seen), default=1.0),
+            "tis_capped_frac": capped_n / n if n else 0.0,
+            "tis_logp_diff_max": max((r[1] for r in seen), default=0.0),
+            "tis_logp_diff_max_by_rank": [r[1] if r is not None else None for r in per_rank]}
 
 
 def _one_update(run: Run, batches, counts, weights, stage: str, pg_weights=None) -> dict:
