@@ -97,3 +97,49 @@ def test_apply_tis_over_batches_gives_each_batch_its_weights():
     assert st["tis_tokens"] == ratios.numel() == 8
     assert st["tis_ratio_max"] == pytest.approx(float(ratios.max()), rel=1e-6)
     assert st["tis_ratio_mean"] == pytest.approx(float(ratios.mean()), rel=1e-6)
+
+
+def test_sequence_weights_by_hand():
+    """Per episode r_s = exp(sum of its sampled tokens' old - rollout): truncate weights all its
+    tokens by min(r_s, C); mask zeroes the episodes with r_s outside [1/C, C]; an episode with no
+    sampled token keeps 1."""
+    from fastrehearse.algo.tis import sequence_weights
+    old = torch.tensor([-1.0, -2.0, math.nan, -0.1, -3.0, -1.0, -1.0], dtype=torch.float64)
+    rollout = torch.tensor([-1.5, -1.0, -0.5, math.nan, -5.0, math.nan, -1.2], dtype=torch.float64)
+    seq = torch.tensor([0, 0, 0, 1, 1, 2, 3])
+    # seq 0: 0.5 - 1.0 = -0.5; seq 1: 2.0 (token 3 not sampled); seq 2: none sampled; seq 3: 0.2
+    w, st = sequence_weights(old, rollout, seq, "truncate", 2.0)
+    want = [math.exp(-0.5)] * 3 + [2.0] * 2 + [1.0] + [math.exp(0.2)]
+    assert torch.allclose(w, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert st == {"tis_seq_n": 3, "tis_seq_log_ratio_mean": pytest.approx((-0.5 + 2.0 + 0.2) / 3),
+                  "tis_seq_affected": 1}
+    w, st = sequence_weights(old, rollout, seq, "mask", 2.0)
+    assert w.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0] and st["tis_seq_affected"] == 1
+    w, _ = sequence_weights(old, rollout, seq, "mask", 1.5)     # |-0.5| > log 1.5 = 0.405: masked too
+    assert w.tolist() == [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="mode"):
+        sequence_weights(old, rollout, seq, "geometric", 2.0)
+    with pytest.raises(ValueError, match="> 1 to mask"):
+        sequence_weights(old, rollout, seq, "mask", 1.0)
+
+
+def test_apply_tis_multiplies_token_and_sequence_weights():
+    """pg_weights = the token cap's weights x the sequence factors; the token cap off (None)
+    leaves the sequence factors alone (and the ratio statistics are still reported)."""
+    from types import SimpleNamespace
+
+    from fastrehearse.algo.tis import apply_tis, sequence_weights
+    g = torch.Generator().manual_seed(1)
+    old = -torch.rand(23, generator=g, dtype=torch.float64) * 3
+    rollout = old + torch.randn(23, generator=g, dtype=torch.float64) * 0.5
+    rollout[[0, 7]] = math.nan
+    seq = torch.tensor([0] * 6 + [1] * 9 + [2] * 8)
+    b = SimpleNamespace(old_logp=old, roles=torch.zeros(23), seq_ids=seq)
+    (w,), st = apply_tis([b], [rollout], 2.0, "truncate", 1.5)
+    tok, _ = tis_weights(old, rollout, 2.0)
+    sw, _ = sequence_weights(old, rollout, seq, "truncate", 1.5)
+    assert torch.equal(w, tok * sw) and st["tis_seq_n"] == 3 and "tis_ratio_mean" in st
+    (w,), st = apply_tis([b], [rollout], None, "mask", 1.5)
+    assert torch.equal(w, sequence_weights(old, rollout, seq, "mask", 1.5)[0]) and st["tis_capped_frac"] == 0.0
+    (w,), st = apply_tis([b], [rollout], 2.0)
+    assert torch.equal(w, tok) and "tis_seq_n" not in st

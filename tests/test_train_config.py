@@ -164,3 +164,22 @@ def test_removed_key_that_did_nothing(tmp_path):
     with pytest.raises(ConfigError, match=r"'algo.turn_reward_coef' was removed"):
         load_config(None, ["algo.turn_reward_coef=2"])
     assert load_config(None, ["algo.turn_reward_coef=1.0"]).algo.leave_one_out is False
+
+
+def test_sequence_level_is_settings():
+    """algo.tis_sequence: truncate | mask | null; a mask needs a cap > 1; a bad mode is named."""
+    cfg = load_config(CONFIGS / "smoke.yaml", ["rollout.backend=vllm", "algo.tis_sequence=mask",
+                                               "algo.tis_sequence_cap=3.0"])
+    assert (cfg.algo.tis_sequence, cfg.algo.tis_sequence_cap) == ("mask", 3.0)
+    with pytest.raises(ConfigError, match=r"'algo.tis_sequence' must be one of \['truncate', 'mask'\] or None, got 'geometric'"):
+        load_config(CONFIGS / "smoke.yaml", ["algo.tis_sequence=geometric"])
+    with pytest.raises(ConfigError, match=r"'algo.tis_sequence_cap' must be > 1 with tis_sequence=mask"):
+        load_config(CONFIGS / "smoke.yaml", ["algo.tis_sequence=mask", "algo.tis_sequence_cap=1.0"])
+
+
+@pytest.mark.parametrize("preset", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_every_preset_validates_with_vllm(preset):
+    """Every preset in configs/ loads and validates with rollout.backend=vllm (the model's own
+    servability -- e.g. vLLM-CPU's head sizes -- is checked when the engine starts)."""
+    cfg = load_config(CONFIGS / preset, ["rollout.backend=vllm"])
+    assert cfg.rollout.backend == "vllm" and cfg.rollout.vllm.tensor_parallel_size == 1

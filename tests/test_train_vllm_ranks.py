@@ -1,7 +1,7 @@
 """One vLLM engine per torchrun rank (fastrehearse/rollout/vllm_backend.py, in-process,
 external-launcher style) training with real torchrun processes on gloo: a tiny Llama with head_dim
 64 (vLLM-CPU has kernels for it), the smoke preset's entropy bonus and a KL term beside truncated IS,
-SFT then RL steps. After every weight sync each rank's own engine samples from the trainer's current
+SFT then RL steps, token- and sequence-level IS. After every weight sync each rank's own engine samples from the trainer's current
 weights: the largest |trainer - engine| log-prob gap of the sampled tokens, per rank, stays below
 LOGPROB_TOL (fp32; measured 1e-6 on the 2-core box; 1e-5 in the single-process test:
 different attention kernels and reduction orders), where an engine
@@ -22,7 +22,7 @@ def test_two_ranks_each_with_its_own_engine_train_and_stay_in_sync(tmp_path):
     sets = ["run_dir=" + str(run), "rollout.backend=vllm", "model.options.hidden_size=128",
             "model.options.num_heads=2", "model.options.num_kv_heads=1", "rollout.vllm.enforce_eager=true",
             "rollout.vllm.kv_cache_gib=1", "checkpoint.export=false", "algo.loss.kl_coef=0.01",
-            "eval.num_tasks=0", "steps=2", "rollout.top_p=1.0"]
+            "eval.num_tasks=0", "steps=2", "rollout.top_p=1.0", "algo.tis_sequence=truncate"]
     p = torchrun(2, "-m fastrehearse.train", "--config", "configs/smoke.yaml",
                  *[a for s in sets for a in ("--set", s)], timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
@@ -35,6 +35,8 @@ def test_two_ranks_each_with_its_own_engine_train_and_stay_in_sync(tmp_path):
         gaps = r["tis_logp_diff_max_by_rank"]
         assert len(gaps) == 2 and all(g is not None and g < LOGPROB_TOL for g in gaps), gaps
         assert any("kl" in k for k in r) and any("entropy" in k for k in r), sorted(r)
+        # sequence-level IS beside the token cap: no episode is truncated when the engine is in sync
+        assert r["tis_seq_affected_frac"] == 0.0 and abs(r["tis_seq_log_ratio_mean"]) < 1e-3
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and "in-process" in summary["weight_sync_route"]
     print(log[-3000:])

@@ -113,6 +113,12 @@ class AlgoConfig:
     # sampled token's policy-gradient term (not KL / entropy) is weighted by
     # min(pi_trainer_old / pi_rollout, tis_cap). Applied with rollout.backend=vllm; null: off.
     tis_cap: float | None = 2.0
+    # Sequence-level IS beside the token cap (fastrehearse.algo.tis.sequence_weights): per episode,
+    # r = exp(sum over its sampled tokens of (old - rollout)); "truncate": its policy-gradient terms
+    # weighted by min(r, tis_sequence_cap); "mask": an episode with r outside
+    # [1 / tis_sequence_cap, tis_sequence_cap] trains no policy-gradient term. null: off.
+    tis_sequence: typing.Optional[typing.Literal["truncate", "mask"]] = None
+    tis_sequence_cap: float = 2.0
 
 
 @dataclass
@@ -195,6 +201,8 @@ _FP32_MAX = 3.4028234663852886e38
 
 
 def _type_name(tp) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return "one of " + str(list(typing.get_args(tp)))
     return getattr(tp, "__name__", str(tp)).replace("NoneType", "None")
 
 
@@ -457,6 +465,10 @@ def validate(cfg: TrainConfig, explicit: set | frozenset = frozenset()) -> Train
         raise ConfigError(f"config key 'optim.betas' must be 2 numbers in [0, 1), got {cfg.optim.betas}")
     if cfg.algo.tis_cap is not None:
         positive("algo.tis_cap", cfg.algo.tis_cap)
+    positive("algo.tis_sequence_cap", cfg.algo.tis_sequence_cap)
+    if cfg.algo.tis_sequence == "mask" and cfg.algo.tis_sequence_cap <= 1:
+        raise ConfigError(f"config key 'algo.tis_sequence_cap' must be > 1 with tis_sequence=mask (episodes "
+                          f"with a ratio outside [1/cap, cap] are masked), got {cfg.algo.tis_sequence_cap}")
     if cfg.max_tokens < cfg.rollout.max_episode_tokens:
         raise ConfigError(f"config key 'max_tokens' ({cfg.max_tokens}) must be >= "
                           f"'rollout.max_episode_tokens' ({cfg.rollout.max_episode_tokens}): a "

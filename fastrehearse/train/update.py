@@ -41,7 +41,8 @@ def policy_update(run: Run, episodes: list[Episode], *, stage: str) -> dict:
     if stage == "rl":
         # The rollout backend's own log-probs of its samples (NaN where it sampled nothing), kept
         # for truncated IS before old_logp becomes the trainer's (fastrehearse.algo.tis).
-        tis = cfg.rollout.backend == "vllm" and cfg.algo.tis_cap is not None
+        a = cfg.algo
+        tis = cfg.rollout.backend == "vllm" and (a.tis_cap is not None or a.tis_sequence is not None)
         rollout_lp = [b.old_logp.clone() for b in batches] if tis else None
         _fill_old_and_ref_logp(run, batches)
         bad = sum(int((~torch.isfinite(b.old_logp)).sum()) for b in batches)
@@ -50,7 +51,7 @@ def policy_update(run: Run, episodes: list[Episode], *, stage: str) -> dict:
         if any_rank(bad > 0, info):
             return skip_step(run, {"train_tokens": n_tokens}, reason=f"{bad} non-finite old/reference log-probs")
         if tis:
-            pg_weights, st = apply_tis(batches, rollout_lp, cfg.algo.tis_cap)
+            pg_weights, st = apply_tis(batches, rollout_lp, a.tis_cap, a.tis_sequence, a.tis_sequence_cap)
             tis_row = _tis_over_ranks(st, info)
 
     out = {}
@@ -77,7 +78,16 @@ def _tis_over_ranks(st: dict, info: DistInfo) -> dict:
             "tis_ratio_max": max((r[0] for r in seen), default=1.0),
             "tis_capped_frac": capped_n / n if n else 0.0,
             "tis_logp_diff_max": max((r[1] for r in seen), default=0.0),
-            "tis_logp_diff_max_by_rank": [r[1] if r is not None else None for r in per_rank]}
+            "tis_logp_diff_max_by_rank": [r[1] if r is not None else None for r in per_rank],
+            **_seq_tis_over_ranks(st, info)}
+
+
+def _seq_tis_over_ranks(st: dict, info: DistInfo) -> dict:
+    """Sequence-level IS over every rank: mean log-ratio per sequence, share truncated / masked."""
+    if "tis_seq_n" not in st:
+        return {}
+    n, lr, hit = sum_over_ranks([st["tis_seq_n"], st["tis_seq_log_ratio_sum"], st["tis_seq_affected"]], info).tolist()
+    return {"tis_seq_log_ratio_mean": lr / n if n else 0.0, "tis_seq_affected_frac": hit / n if n else 0.0}
 
 
 def _one_update(run: Run, batches, counts, weights, stage: str, pg_weights=None) -> dict:
