@@ -9,6 +9,9 @@
 #   PIP_INSTALL=1 ...                                   # editable install instead of the shim
 #
 # Order (most valuable first; a step that would start with < 20 s of budget left is skipped):
+#   0. gpu_scale_check.py   the trainer's SFT + RL step in a 1-rank NCCL group (dist.timeout_s, the
+#                           failure agreement): every collective checked on the device; measured
+#                           peak memory vs the --dry-run plan. First: the multi-node path's one check
 #   1. gpu_microbench.py    per-piece times vs roofline, num_warps sweep, triton-fused tile sweep
 #   2. pytest               tests/test_kernels_cuda.py + tests/test_model.py -k cuda
 #   3. bench_logprobs       H=4096 V=128256 N=16384 bf16, unmasked 1.0 / 0.25 (compile: 1.0 only)
@@ -16,8 +19,6 @@
 #   4b. bench_logprobs --forward-only  same shape, all rows (old / reference log-probs: the
 #                           case the fused tl.dot + LSE backend "triton-fused" is for)
 #   5. bench_e2e_gpu.py     Qwen3-1.7B-shaped rollout + one RL step (1-rank FSDP2)
-#   5b. gpu_scale_check.py  the trainer's SFT + RL step in a 1-rank NCCL group: every collective
-#                           checked on the device; measured peak memory vs the --dry-run plan
 #   6. bench_logprobs       the other shapes (576x49152, 2048x151936), N 4096 / 16384
 #   7. bench_policy_loss    Liger's chunked GRPO loss (torch.compile'd: its own step)
 #   8. bench_packing        --device cuda
@@ -116,6 +117,14 @@ EOF
 fi
 
 # ---- 2. steps -----------------------------------------------------------------------------------
+# 1. the scale path on one GPU, first: a 1-rank NCCL group runs every collective of the trainer's
+#    real SFT + RL step (each checked on the compute device) with dist.timeout_s and the per-phase
+#    failure agreement, peak memory vs the dry run's plan
+SCALE_ARGS=$([ "$SMOKE" = 1 ] && echo "--smoke" || echo "--hidden 2048 --layers 16")
+# shellcheck disable=SC2086
+step "gpu_scale_check" 90 $PY -m torch.distributed.run --nproc_per_node=1 --master_port=29517 \
+  benchmarks/gpu_scale_check.py $SCALE_ARGS --json "$OUT/gpu_scale_check.json"
+
 step "gpu_microbench" 130 $PY benchmarks/gpu_microbench.py $MB_ARGS \
   --json "$OUT/gpu_microbench_gpu.json"
 
@@ -136,13 +145,6 @@ step "bench_logprobs forward-only $SHAPE" 45 $PY benchmarks/bench_logprobs.py --
   --json "$OUT/bench_logprobs_fwd_gpu.json"
 
 step "bench_e2e_gpu" 120 $PY benchmarks/bench_e2e_gpu.py $E2E_ARGS --json "$OUT/bench_e2e_gpu.json"
-
-# 5b. the scale path on one GPU: a 1-rank NCCL group runs every collective of the trainer's real
-#     SFT + RL step (each checked on the compute device), peak memory vs the dry run's plan
-SCALE_ARGS=$([ "$SMOKE" = 1 ] && echo "--smoke" || echo "--hidden 2048 --layers 16")
-# shellcheck disable=SC2086
-step "gpu_scale_check" 90 $PY -m torch.distributed.run --nproc_per_node=1 --master_port=29517 \
-  benchmarks/gpu_scale_check.py $SCALE_ARGS --json "$OUT/gpu_scale_check.json"
 
 step "bench_logprobs other shapes" 80 $PY benchmarks/bench_logprobs.py --device $DEV \
   --shapes $SHAPES2 --n $NS2 --fracs 1.0 0.25 --reps 3 \

@@ -36,16 +36,20 @@ def overrides(a) -> list[str]:
             f"model.options.num_kv_heads={2 if tiny else max(1, a.hidden // 512)}", "eval.num_tasks=0",
             "log.progress=false", "rollout.tasks_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=32",
             "rollout.max_episode_tokens=1024", "max_tokens=4096", "sft.steps=1", "sft.tasks_per_step=4",
-            "algo.loss.kl_coef=0.01", "checkpoint.export=false", f"model.activation_checkpointing={a.ac}"]
+            "algo.loss.kl_coef=0.01", "checkpoint.export=false", f"model.activation_checkpointing={a.ac}",
+            "dist.timeout_s=120"]
 
 
 def run(a) -> dict:
-    from fastrehearse.train import loop
+    from fastrehearse.train import failures, loop
     from fastrehearse.train.build import setup
     from fastrehearse.train.config import load_config
     from fastrehearse.train.parallelize import destroy_distributed, init_distributed
     calls, misplaced = Counter(), []
-    info = init_distributed("cpu" if a.smoke else "cuda")
+    cfg = load_config("configs/smoke.yaml", overrides(a))
+    # as the trainer does: the collective timeout and the per-phase failure agreement / watchdog
+    info = init_distributed("cpu" if a.smoke else "cuda", timeout_s=cfg.dist.timeout_s)
+    failures.start(info.rank, info.world_size, cfg.dist.timeout_s, True)
 
     def checked(name):
         real = getattr(dist, name)
@@ -59,15 +63,17 @@ def run(a) -> dict:
         return wrapper
     for name in ("all_reduce", "all_gather_object", "broadcast_object_list", "barrier"):
         setattr(dist, name, checked(name))
-    cfg = load_config("configs/smoke.yaml", overrides(a))
     cuda = info.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     run_ = setup(cfg, info)
     setup_s = time.perf_counter() - t0
-    rows = [loop.sft_step(run_), loop.rl_step(run_)]
-    stop = loop._agree_to_stop(run_)
+    try:
+        rows = [loop.sft_step(run_), loop.rl_step(run_)]
+        stop = loop._agree_to_stop(run_)
+    finally:
+        failures.stop()
     out = {"world_size": info.world_size, "backend": info.backend, "device": str(info.device),
            "collectives": dict(calls), "misplaced": misplaced, "setup_s": round(setup_s, 2),
            "rows": rows, "stop": stop,
