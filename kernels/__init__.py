@@ -8,12 +8,15 @@ prime-rl, ...) can drop it in.
                     chunk_size, bias, logit_softcap, logit_scale, workspace_bytes)
     linear_policy_loss(hidden, weight, targets, roles, advantages, old_logp, config, ...,
                        bias, logit_softcap, logit_scale, seq_ids)      # old_logp=None: on-policy
+    check_backend(backend, device, *, weight, bias, logit_softcap, logit_scale)  # before any work
+    BACKENDS; FUSED_WORKSPACE_BYTES_CUDA   # the backends; the fused tile kernel's CUDA workspace
 
 See docs/kernels.md for the math and the design.
 """
+from ._common import BACKENDS, FUSED_WORKSPACE_BYTES_CUDA, check_backend
 from .linear_logprobs import linear_logprobs
 from .policy_loss import PolicyLossConfig, PolicyLossOutput, linear_policy_loss
 from .roles import NUM_ROLES, Role
 
 __all__ = ["Role", "NUM_ROLES", "linear_logprobs", "linear_policy_loss", "PolicyLossConfig",
-           "PolicyLossOutput"]
+           "PolicyLossOutput", "BACKENDS", "check_backend", "FUSED_WORKSPACE_BYTES_CUDA"]

@@ -81,6 +81,22 @@ def fused_forward_backend(backend: str, x: torch.Tensor, needs_grad: bool) -> st
     return "triton"
 
 
+def check_backend(backend: str, device: torch.device, *, weight=None, bias=None, logit_softcap=None,
+                  logit_scale=None) -> str:
+    """Public check before any work: the backend `backend` resolves to on `device` (ValueError when
+    it cannot run there: no CUDA and no TRITON_INTERPRET, triton missing), and -- given the LM-head
+    `weight` and settings -- that the backend can apply that head (triton-fused cannot apply a bias
+    or soft-cap). Returns the resolved backend name."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    resolved = resolve_backend(backend, device)
+    if weight is not None:
+        from ._head import build_head
+        head, _ = build_head(bias, logit_softcap, logit_scale, weight, 1.0)
+        check_fused_forward(backend, head)
+    return resolved
+
+
 def check_fused_forward(backend: str, head) -> None:
     """backend='triton-fused' computes logits inside its tile kernel, which applies no LM-head
     bias or soft-cap (a lone positive logit scale is folded into 1/T and is fine)."""

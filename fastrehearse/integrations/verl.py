@@ -20,7 +20,7 @@ import sys
 import torch
 
 from fastrehearse.kernels import linear_logprobs
-from fastrehearse.kernels._common import BACKENDS
+from fastrehearse.kernels import BACKENDS
 
 __all__ = ["linear_cross_entropy", "patch_verl"]
 

@@ -12,8 +12,7 @@ import torch
 import yaml
 from torch import nn
 
-from fastrehearse.kernels._common import check_fused_forward
-from fastrehearse.kernels._head import build_head
+from fastrehearse.kernels import check_backend
 from fastrehearse.model import head_kwargs
 
 from .config import ConfigError, TrainConfig, to_dict
@@ -112,11 +111,9 @@ def check_kernel_backend(cfg: TrainConfig, hf_model) -> None:
     the model's head is known, before any rollout (a ConfigError naming the key and the head)."""
     if cfg.model.kernel_backend != "triton-fused":
         return
-    kw = head_kwargs(hf_model)
-    head, _ = build_head(kw.get("bias"), kw.get("logit_softcap"), kw.get("logit_scale"),
-                         hf_model.get_output_embeddings().weight, 1.0)
+    weight = hf_model.get_output_embeddings().weight
     try:
-        check_fused_forward("triton-fused", head)
+        check_backend("triton-fused", weight.device, weight=weight, **head_kwargs(hf_model))
     except ValueError as e:
         raise ConfigError(f"config key 'model.kernel_backend' = 'triton-fused' with model "
                           f"{cfg.model.spec!r}: {e}") from None

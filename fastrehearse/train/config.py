@@ -416,15 +416,14 @@ def validate(cfg: TrainConfig, explicit: set | frozenset = frozenset()) -> Train
     choice("eval.mode", cfg.eval.mode, ROLLOUT_MODES)
     choice("algo.aggregation", cfg.algo.aggregation, AGGREGATIONS)
     choice("model.precision", cfg.model.precision, PRECISIONS)
-    from fastrehearse.kernels._common import BACKENDS as KERNEL_BACKENDS
+    from fastrehearse.kernels import BACKENDS as KERNEL_BACKENDS, check_backend
     choice("model.kernel_backend", cfg.model.kernel_backend, KERNEL_BACKENDS)
     if cfg.model.kernel_backend in ("triton", "triton-fused"):
         import torch
 
-        from fastrehearse.kernels._common import resolve_backend
         on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
         try:   # the kernels' own check (CUDA or TRITON_INTERPRET=1; triton importable), before any work
-            resolve_backend(cfg.model.kernel_backend, torch.device("cpu" if on_cpu else "cuda"))
+            check_backend(cfg.model.kernel_backend, torch.device("cpu" if on_cpu else "cuda"))
         except ValueError as e:
             raise ConfigError(f"config key 'model.kernel_backend' = {cfg.model.kernel_backend!r}: {e}"
                               + (" (this run is on the CPU)" if on_cpu else "")) from None

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from fastrehearse.kernels._common import FUSED_WORKSPACE_BYTES_CUDA
+from fastrehearse.kernels import FUSED_WORKSPACE_BYTES_CUDA
 from fastrehearse.model import RehearsalModel, base_model
 from fastrehearse.model.loader import (EMBEDDED_SPECS, head_dim, load_model, load_tokenizer,
                                       tiny_config)
