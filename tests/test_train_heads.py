@@ -1,5 +1,6 @@
 """The trainer's loss heads (train/heads.py and train/update.py: RL loss, SFT CE, old/ref log-probs) pass the model's
-LM-head settings to the kernels: on a tiny Cohere (logit_scale) and a Qwen2 with an lm_head bias,
+LM-head settings to the kernels, and the RL head's loss and LM-head gradient equal a float64
+reference: on a tiny Cohere (logit_scale) and a Qwen2 with an lm_head bias,
 the log-probs the trainer computes equal the model's own forward (fp32: 1e-5 plus 8-16 ulps of the
 largest |log-prob|, `fp32_atol`; these heads give log-probs of -15 to -40, where a fixed 1e-5 is
 2-5 ulps, issue 43). The negative control drops the head settings: the bug these tests exist for."""
@@ -44,13 +45,42 @@ def test_trainer_heads_use_the_model_head(name, monkeypatch):
     ce = wrapped(batch, sft_head(cfg, batch, counts))
     assert max_abs_err(ce.logp[keep], ref) <= tol
 
-    batch.advantages = torch.ones(batch.num_tokens)
+    # The RL head against a float64 reference: on-policy (old = the current log-probs, ratio 1,
+    # nothing clipped) the token-mean loss is -sum_t A_t exp(logp_t - old_t) / n over ACT tokens,
+    # with the LM head's gradient -sum_t A_t d logp_t / dW / n.
+    adv = torch.randn(batch.num_tokens, generator=torch.Generator().manual_seed(3))
+    batch.advantages = adv.clone()
     batch.old_logp = lp.clone()
     batch.ref_logp = None
+    w = model.get_output_embeddings().weight
+    w.grad = None
     out = wrapped(batch, rl_head(cfg, batch, counts, None))
-    out.loss.backward()     # on-policy ratio 1: loss = -mean(A) over ACT tokens, gradient flows
-    assert torch.isfinite(out.loss)
-    assert model.get_output_embeddings().weight.grad is not None
+    out.loss.backward()
+    ref_loss, ref_grad, h_max = _rl_reference(model, ids, adv[keep], lp[keep])
+    n = int(keep.sum())
+    assert abs(float(out.loss) - ref_loss) <= fp32_atol(torch.tensor([ref_loss]), mag=float(adv.abs().max()), terms=n)
+    # each gradient element sums n tokens' A_t (onehot - p) h_t / n: terms of size <= 2 max|A| max|h|
+    mag = 2 * float(adv.abs().max()) * h_max
+    grad_tol = fp32_atol(ref_grad, mag=mag, terms=n)
+    # measured: loss 5e-8 / 2e-7, gradient 1.1e-7 / 9.1e-7 off (cohere / qwen2_bias) against ~1.7e-5
+    assert max_abs_err(w.grad, ref_grad) <= grad_tol
+    w.grad = None                    # planted bug: the advantages' sign flipped
+    batch.advantages = -adv
+    wrapped(batch, rl_head(cfg, batch, counts, None)).loss.backward()
+    assert max_abs_err(w.grad, ref_grad) > 100 * grad_tol
+
+
+def _rl_reference(model, ids, adv, old):
+    """The on-policy RL loss and the LM head's gradient in float64 (a float64 copy of the model)."""
+    import copy
+    m = copy.deepcopy(model).double()
+    m.set_attn_implementation("eager")
+    out = m(input_ids=torch.tensor(ids).view(1, -1), use_cache=False, output_hidden_states=True)
+    logits = out.logits[0]
+    logp = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    loss = -(adv.double() * (logp - old.double()).exp()).sum() / len(adv)
+    loss.backward()
+    return float(loss), m.get_output_embeddings().weight.grad.float(), float(out.hidden_states[-1].abs().max())
 
 
 def test_triton_fused_kernel_backend():
