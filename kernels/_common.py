@@ -324,7 +324,7 @@ def check_temperature(temperature) -> float:
 # Support is probed once per (op, device type, dtype) on a 1 x 1 problem, never by catching the
 # error of a real call: an out-of-memory or shape error of a real GEMM always propagates. Where
 # the probe fails the fallback rounds the result to the input dtype first; that is warned once and
-# listed by `fp32_gemm_fallbacks()` (benchmarks record it).
+# listed by `fp32_gemm_fallbacks()` (tests/test_fused_loss_plan.py checks the list).
 _OUT_DTYPE_OK: dict[str, bool] = {}
 
 

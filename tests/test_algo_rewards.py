@@ -331,7 +331,7 @@ def test_trainer_rollout_assigns_the_configured_rewards(llama, monkeypatch):
     import types
 
     from fastrehearse.rollout.template import assistant_text
-    from fastrehearse.rollout.testing import ScriptedTurns
+    from _rollout_fixtures import ScriptedTurns
     from fastrehearse.train import rollouts
     from fastrehearse.train.config import load_config
     model, tok, tmpl = llama

@@ -12,7 +12,7 @@ from fastrehearse.kernels.roles import Role
 from fastrehearse.rollout.engine import RolloutConfig, RolloutEngine
 from fastrehearse.rollout.policy import GoldPolicy, ScriptedPolicy
 from fastrehearse.rollout.template import assistant_text
-from fastrehearse.rollout.testing import smollm2_tokenizer
+from _rollout_fixtures import smollm2_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,7 +11,7 @@ from fastrehearse.kernels.roles import Role
 from fastrehearse.rollout.engine import RolloutConfig, RolloutEngine
 from fastrehearse.rollout.policy import ModelPolicy, ScriptedPolicy, Turn
 from fastrehearse.rollout.template import ChatTemplate, format_tool_call
-from fastrehearse.rollout.testing import (LLAMA31_TEMPLATE, QWEN25_TEMPLATE, CalcEnv, MultiTurnCalcEnv,
+from _rollout_fixtures import (LLAMA31_TEMPLATE, QWEN25_TEMPLATE, CalcEnv, MultiTurnCalcEnv,
                                           llama3_style_tokenizer, smollm2_tokenizer)
 
 

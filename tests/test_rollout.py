@@ -2,7 +2,7 @@
 
 Tiny random models (fastrehearse.model.load_model("tiny-*"), SmolLM2 tokenizer) emit tool calls only
 rarely, so most tests bias them towards a scripted call / response / answer with a logits processor
-(fastrehearse.rollout.testing.ScriptedBias, ~1-2% deviation per token): episodes mix well-formed
+(tests/_rollout_fixtures.py.ScriptedBias, ~1-2% deviation per token): episodes mix well-formed
 calls with deviations that become malformed calls or truncated turns.
 """
 import json
@@ -15,7 +15,7 @@ from fastrehearse.kernels.roles import Role
 from fastrehearse.model import load_model
 from fastrehearse.rollout.engine import RolloutConfig, RolloutEngine, Prompt
 from fastrehearse.rollout.template import ChatTemplate
-from fastrehearse.rollout.testing import (CalcEnv, ScriptedBias, calc_tasks, llama3_style_tokenizer,
+from _rollout_fixtures import (CalcEnv, ScriptedBias, calc_tasks, llama3_style_tokenizer,
                                           tiny_llama)
 
 STOPS = {"final_answer", "max_new_tokens", "max_turns", "max_episode_tokens", "malformed"}

@@ -12,7 +12,7 @@ from fastrehearse.rollout.engine import RolloutConfig, RolloutEngine
 from fastrehearse.rollout.fidelity import aggregate, json_fields, score_pair
 from fastrehearse.rollout.sampling import sample
 from fastrehearse.rollout.template import ChatTemplate, assistant_text
-from fastrehearse.rollout.testing import ScriptedTurns
+from _rollout_fixtures import ScriptedTurns
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -27,7 +27,7 @@ from fastrehearse.rollout.engine import RolloutConfig, RolloutEngine, VLLMOption
 from fastrehearse.rollout.policy import ScriptedPolicy
 from fastrehearse.rollout.segments import Sampling, SegmentRequest
 from fastrehearse.rollout.template import ChatTemplate, format_tool_call
-from fastrehearse.rollout.testing import CalcEnv, calc_tasks
+from _rollout_fixtures import CalcEnv, calc_tasks
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")]

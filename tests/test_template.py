@@ -2,7 +2,7 @@
 
 Templates: the real SmolLM2 tokenizer's own template (no tool support -> fastrehearse's default
 tool-aware ChatML), and test replicas of the Qwen2.5 and Llama-3.1 template structures
-(fastrehearse.rollout.testing; the real Qwen/Llama templates are not available offline).
+(tests/_rollout_fixtures.py; the real Qwen/Llama templates are not available offline).
 """
 import json
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from fastrehearse.kernels.roles import Role
 from fastrehearse.rollout.template import ChatTemplate, assistant_text, template_supports_tools
-from fastrehearse.rollout.testing import (CALC_TOOLS, LLAMA31_TEMPLATE, QWEN25_TEMPLATE,
+from _rollout_fixtures import (CALC_TOOLS, LLAMA31_TEMPLATE, QWEN25_TEMPLATE,
                                           llama3_style_tokenizer, smollm2_tokenizer)
 
 

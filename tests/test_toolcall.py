@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from fastrehearse.rollout.template import format_tool_call
 from fastrehearse.rollout.toolcall import ERROR_KINDS, parse_tool_calls, validate
-from fastrehearse.rollout.testing import CALC_TOOLS
+from _rollout_fixtures import CALC_TOOLS
 
 NESTED = [{"type": "function", "function": {"name": "book", "parameters": {
     "type": "object", "additionalProperties": False, "required": ["when", "who"],

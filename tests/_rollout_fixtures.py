@@ -1,4 +1,4 @@
-"""Test helpers for the rollout stage: the offline SmolLM2 tokenizer, test replicas of the Qwen2.5 and
+"""Test fixtures for the rollout stage (not part of the package): the offline SmolLM2 tokenizer, test replicas of the Qwen2.5 and
 Llama-3.1 chat-template structures (the real ones are not shipped offline), a tiny random Llama, and a
 small fake tool environment.
 
