@@ -84,7 +84,7 @@ def format_step_time(st: dict) -> str:
     lo, mid, hi = st["total_s"]
     parts = "; ".join(f"{k} {v[1]:g} s ({v[0]:g}-{v[2]:g})" for k, v in st["parts_s"].items())
     note = ("" if st["rollout_backend_in_config"] == "vllm" else
-            f" [this config rolls out with the {st['rollout_backend_in_config']} backend, which is not "
-            f"predicted: the rollout line is vLLM's]")
+            f" (this config rolls out with the {st['rollout_backend_in_config']} backend, which is not "
+            f"predicted: the rollout line is vLLM's)")
     return (f"PREDICTED step time per rank (H100, not measured): {mid:g} s, range {lo:g}-{hi:g} s = {parts}"
             f"{note}; assumptions: " + " | ".join(st["assumptions"]))
