@@ -106,3 +106,12 @@ def test_step_time_device_basis_is_roofline_s(monkeypatch):
     spec.loader.exec_module(roofline)
     assert (step_time.H100_TFLOPS, step_time.H100_TBPS) == (roofline.DEVICES["h100"]["tflops"],
                                                             roofline.DEVICES["h100"]["tbps"])
+
+
+def test_step_time_collectives_within_one_node_are_faster():
+    """The weight sync's all-gather: NVLink within one node of 8, the network across nodes."""
+    cfg = load_config(CONFIGS / "qwen3_8b_bfcl_multi_turn.yaml")
+    hf_config, _ = resolve_architecture(cfg, None)
+    n = 8_190_735_360
+    one, two = (step_time.predict_step_time(cfg, hf_config, w, n)["parts_s"]["weight sync"] for w in (8, 16))
+    assert all(a < b for a, b in zip(one, two))

@@ -20,6 +20,8 @@ DECODE_BW = (0.9, 0.7, 0.5)                 # fraction of HBM bandwidth a decode
 CONTEXT_FRACTION = (0.25, 0.5, 1.0)         # episode tokens / rollout.max_episode_tokens
 SAMPLED_TURNS = (1, 2, 4)                   # policy turns of max_new_tokens per episode (<= max_turns)
 NET_GBPS = (50.0, 25.0, 12.5)               # per-GPU inter-node bandwidth, GB/s (400 / 200 / 100 Gb/s)
+NVLINK_GBPS = (300.0, 200.0, 100.0)         # per-GPU bandwidth of collectives within one node, GB/s
+GPUS_PER_NODE = 8                           # a world of at most 8 ranks is one node
 COMM_EXPOSED = (0.0, 0.5, 1.0)              # share of FSDP2's collectives not hidden behind compute
 HOST_GBPS = (10.0, 5.0, 2.0)                # GPU -> tmpfs safetensors write, and vLLM's reload from it
 
@@ -30,7 +32,8 @@ ASSUMPTIONS = [
     f"rollout.max_new_tokens (capped by max_turns and the episode length)",
     f"training MFU {MFU}, vLLM prefill {PREFILL_MFU} of the GEMM rate; decode at {DECODE_BW} of HBM bandwidth, "
     f"weights + the rows' KV read once per step, all of a rank's rows decoded together",
-    f"inter-node {NET_GBPS} GB/s per GPU; {COMM_EXPOSED} of FSDP2's all-gathers / reduce-scatters exposed",
+    f"{GPUS_PER_NODE} GPUs a node; collectives at {NET_GBPS} GB/s per GPU across nodes, {NVLINK_GBPS} within "
+    f"one; {COMM_EXPOSED} of FSDP2's all-gathers / reduce-scatters exposed",
     f"weight sync: fp32 all-gather of the whole model, bf16 safetensors to tmpfs and vLLM's reload at "
     f"{HOST_GBPS} GB/s",
     "not included: tool / environment latency, vLLM start-up, eval, checkpoints",
@@ -57,7 +60,7 @@ def predict_step_time(cfg, hf_config, world: int, n_params: int) -> dict:
         decode = sampled * max(step_bytes / (bw * DECODE_BW[s]), step_flops / (rate * PREFILL_MFU[s]))
         rollout.append(prefill + decode)
         # weight sync: every rank receives the fp32 model, writes and reloads it in bf16
-        net = NET_GBPS[s] * 1e9
+        net = (NVLINK_GBPS if world <= GPUS_PER_NODE else NET_GBPS)[s] * 1e9
         sync.append(4 * n_params * (world - 1) / world / net + 2 * 2 * n_params / (HOST_GBPS[s] * 1e9))
         # update: forward + backward (+ recompute) + no-grad forwards (old log-probs, reference)
         tokens = episodes * length
