@@ -3,10 +3,13 @@ built and sharded exactly as the dry run builds it (fake process group, 4 ranks)
 step (forward, backward, the trainer's rollback snapshot, AdamW) under FSDPMemTracker.
 
 Tolerances (stated in docs/training.md): parameter shards and AdamW moments exact; the measured
-activations and the gathered parameters within 10% of the tracker; the plan's update peak an upper
-bound of the tracker's and at most 2x it (the LM-head kernel's workspace is counted at its budget,
-which the tiny model does not fill); the optimizer-step moment (rollback copy + foreach
-temporaries) within 10%."""
+activations and the gathered parameters within 10% of the tracker; the plan's forward/backward peak
+an upper bound of the tracker's and at most 2x it (it sums terms that peak at different instants,
+and counts the LM-head kernel's workspace at the CPU budget, which the tiny model does not fill:
+1.79x in fp32, 1.98x in bf16 with torch 2.13); the optimizer-step moment (rollback copy + foreach
+temporaries) within 10% -- the foreach factor (dry_run.ADAMW_FOREACH_SHARDS) was read from this
+measurement, so that check holds the rollback copy's 12 bytes per element together with it.
+fp32 and bf16 compute (the presets' mixed precision: bf16 gathers, fp32 master and gradients)."""
 from types import SimpleNamespace
 
 import pytest
@@ -32,8 +35,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 WORLD = 4
 
 
-def test_smoke_plan_matches_fsdp_mem_tracker():
-    cfg = load_config("configs/smoke.yaml", [f"rollout.tasks_per_step={WORLD}", "model.precision=fp32",
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_smoke_plan_matches_fsdp_mem_tracker(precision):
+    cfg = load_config("configs/smoke.yaml", [f"rollout.tasks_per_step={WORLD}", f"model.precision={precision}",
                                              "max_tokens=2048", "optim.rollback_nonfinite=true"])
     p = plan(cfg, WORLD)
     item = {i.name.split(" (")[0].split(",")[0]: i.bytes for i in p.items}
@@ -42,7 +46,7 @@ def test_smoke_plan_matches_fsdp_mem_tracker():
     try:
         info = DistInfo(0, WORLD, 0, torch.device("cpu"), "fake",
                         init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",)))
-        model = parallelize(RehearsalModel(empty_model(hf_config, torch.float32)), info, precision="fp32")
+        model = parallelize(RehearsalModel(empty_model(hf_config, torch.float32)), info, precision=precision)
         materialize(model, info.device)
         with torch.no_grad():
             for q in model.parameters():
