@@ -59,7 +59,8 @@ GIB = 1 << 30
 CUDA_CONTEXT_BYTES = int(1.5 * GIB)   # assumption: CUDA context + NCCL buffers per rank
 # Usable HBM per GPU: the total capacity PyTorch reports (torch.cuda.get_device_properties().
 # total_memory, printed in its CUDA out-of-memory messages) -- not the marketing 80 / 141 GB. Not
-# measured here: the values PyTorch prints on an H100 SXM 80GB and on an H200 141GB.
+# measured here: the values PyTorch prints on an H100 80GB and on an H200 141GB (as quoted in
+# public CUDA out-of-memory reports).
 USABLE_HBM_GIB = {"h100-80gb": 79.19, "h200-141gb": 139.80}
 DEFAULT_BUDGET_GIB = USABLE_HBM_GIB["h100-80gb"]
 # The HF backend's DynamicCache grows each layer's keys / values by torch.cat: every decode step
