@@ -166,7 +166,7 @@ CONFIG_CASES = [
 PRESET = "configs/qwen3_8b_bfcl_multi_turn.yaml"
 DRY_RUN_CASES = [
     ("`--dry-run --world-size 1` for a 2-node preset", ["--world-size", "1"],
-     ["does not fit 80 GiB per GPU at world size 1", "largest:"]),
+     ["does not fit 79.19 GiB per GPU at world size 1", "largest:"]),
     ("`--dry-run --world-size 3` (does not divide the model)", ["--world-size", "3"],
      ["does not divide dimension 0 (151936)"]),
     ("`--dry-run` without `--world-size`", [], ["--dry-run needs --world-size"]),

@@ -88,7 +88,7 @@ def plan_in_subprocess(a, gpu_gib: float) -> dict:
     code = ("import json,sys; from fastrehearse.train.config import load_config; "
             "from fastrehearse.train.dry_run import plan; "
             f"cfg = load_config('configs/smoke.yaml', {overrides(a)!r}); "
-            f"print(json.dumps(plan(cfg, 1, {gpu_gib}).to_json()))")
+            f"print(json.dumps(plan(cfg, 1, {gpu_gib}, budget_basis='given').to_json()))")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
                                                                            "MASTER_ADDR", "MASTER_PORT",

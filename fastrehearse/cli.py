@@ -35,8 +35,9 @@ def train_parser(prog: str = "fastrehearse train") -> argparse.ArgumentParser:
     d.add_argument("--dry-run", action="store_true",
                    help="build the run on torch's fake process group and print each rank's GPU memory")
     d.add_argument("--world-size", type=int, metavar="N", help="ranks to plan for (with --dry-run)")
-    d.add_argument("--gpu-memory-gib", type=float, default=80.0, metavar="G",
-                   help="GPU memory per rank to fit in (default 80)")
+    d.add_argument("--gpu-memory-gib", type=float, default=None, metavar="G",
+                   help="GPU memory per rank to fit in (default 79.19: the usable HBM PyTorch reports "
+                        "for an 80 GB H100; an H200 141GB reports 139.80)")
     d.add_argument("--dry-run-json", metavar="PATH", help="also write the plan as JSON")
     d.add_argument("--arch", metavar="DIR_OR_CONFIG_JSON",
                    help="architecture to plan when model.spec is not on this machine (default: the shipped "
@@ -47,11 +48,11 @@ def train_parser(prog: str = "fastrehearse train") -> argparse.ArgumentParser:
 def dry_run_main(args, prog: str) -> int:
     """Exit 0: the plan fits; 2: it does not (one line naming the overflow) or a usage mistake."""
     from fastrehearse.train.config import ConfigError, check_device, check_env, load_config
-    from fastrehearse.train.dry_run import plan, print_plan, write_json
+    from fastrehearse.train.dry_run import DEFAULT_BUDGET_GIB, plan, print_plan, write_json
     if args.world_size is None:
         print(f"{prog}: error: --dry-run needs --world-size N (the ranks to plan for)", file=sys.stderr)
         return 2
-    if not args.gpu_memory_gib > 0:
+    if args.gpu_memory_gib is not None and not args.gpu_memory_gib > 0:
         print(f"{prog}: error: --gpu-memory-gib must be > 0, got {args.gpu_memory_gib}", file=sys.stderr)
         return 2
     if args.resume or args.overwrite:
@@ -61,7 +62,9 @@ def dry_run_main(args, prog: str) -> int:
         cfg = load_config(args.config, args.overrides)
         check_env(cfg)
         check_device(cfg)
-        p = plan(cfg, args.world_size, args.gpu_memory_gib, args.arch, config_name=os.path.basename(args.config))
+        given = args.gpu_memory_gib is not None
+        p = plan(cfg, args.world_size, args.gpu_memory_gib if given else DEFAULT_BUDGET_GIB, args.arch,
+                 config_name=os.path.basename(args.config), budget_basis="given" if given else "assumed")
     except ConfigError as e:   # DryRunError included
         print(f"{prog}: config error: {e}", file=sys.stderr)
         return 2

@@ -36,7 +36,7 @@ def test_one_rank_is_refused_with_one_line(tmp_path, capsys):
                "--set", f"run_dir={tmp_path / 'rd'}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
-    assert "does not fit 80 GiB per GPU at world size 1" in err[0] and "largest:" in err[0]
+    assert "does not fit 79.19 GiB per GPU at world size 1" in err[0] and "largest:" in err[0]
     assert not (tmp_path / "rd").exists()
 
 

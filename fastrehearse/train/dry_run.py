@@ -1,26 +1,35 @@
 """`fastrehearse train --config X --dry-run --world-size N`: will this run fit, per rank, before any GPU?
 
-The run's model is built the way `setup` builds it -- on meta, wrapped, FSDP2-sharded over a world of
-N ranks on torch's fake process group (one CPU process, no GPU, no weights), with the run's mixed
-precision and activation checkpointing -- and each rank's GPU memory is added up from what that build
-really holds (every parameter's padded shard) plus what the run allocates around it:
+A PLAN, not a measurement on a GPU. The run's model is built the way `setup` builds it -- on meta,
+wrapped, FSDP2-sharded over a world of N ranks on torch's fake process group (one CPU process, no
+GPU, no weights), with the run's mixed precision and activation checkpointing -- and each rank's GPU
+memory is added up. Every term says where its number comes from (`Item.basis`):
 
-  resident  fp32 master shards, fp32 gradient shards, AdamW's two moments, the non-finite rollback
-            copy (optim.rollback_nonfinite), the reference shards (KL only, in the compute dtype), the
-            rollout backend (HF: a whole generation copy in the serving dtype; vLLM: its
-            gpu_memory_utilization share, held through the update), CUDA context + NCCL (assumed)
-  rollout   the HF backend's KV cache when every decoded row reaches max_episode_tokens, and one
-            layer's working set over the largest prefill
-  update    FSDP2's gathered bf16 parameters (root + 2 layers in flight) and unsharded fp32
-            gradients (root + 1 layer), activations of one max_tokens micro-batch, the LM-head
-            kernel's workspace (fastrehearse.kernels' own budget) and the hidden-state gradient
+  measured  read from that build (the padded shard every parameter has on a rank), or measured on
+            one real decoder layer of the architecture on the CPU (bytes per token, scaled
+            linearly to the run's token counts)
+  formula   an equation over measured counts and the config (dtype sizes, rows x tokens, ...)
+  assumed   a constant not derived from this build (CUDA context + NCCL, the usable HBM of a GPU)
 
-Activation bytes are measured, not modelled: one real decoder layer of this architecture (random
-weights, bf16, CPU, SDPA attention, which saves what flash attention saves) runs forward on a few
-tokens under `saved_tensors_hooks`, with and without checkpointing; bytes per token scale to
-max_tokens. peak = resident + max(rollout, update). The plan is an upper bound of what the code
-allocates by design, not an allocator trace: fragmentation and the caching allocator's slack come on
-top (the README's dry-run-vs-measured row says by how much on an H200 when one is available).
+  resident  fp32 master shards, fp32 gradient shards, AdamW's two moments, the reference shards (KL
+            only, in the compute dtype), the rollout backend (HF: a whole generation copy in the
+            serving dtype; vLLM: its gpu_memory_utilization share, held through the update),
+            CUDA context + NCCL (assumed)
+  rollout   the HF backend's KV cache when every decoded row reaches max_episode_tokens, the
+            allocator holes its growth by torch.cat leaves, and one layer's no-grad working set
+            over the largest prefill
+  update    two moments, the larger counts: forward/backward -- FSDP2's gathered params (root + 2
+            layers in flight) and unsharded fp32 gradients (root + 1 layer), activations of one
+            max_tokens micro-batch, the LM-head kernel's workspace and the hidden-state gradient;
+            optimizer step -- the non-finite rollback copy of shards and moments
+            (optim.rollback_nonfinite, taken just before `optimizer.step()`) and AdamW's foreach
+            temporaries
+
+peak = resident + max(rollout, update). The default budget is the usable HBM of an "80 GB" H100
+(79.19 GiB: the total capacity PyTorch reports for it); fragmentation beyond the KV-cache holes and
+the caching allocator's slack come on top. `tests/test_dry_run_tracker.py` checks the plan of the
+smoke model against torch's own FSDPMemTracker on the CPU. The step time printed beside it is
+PREDICTED (fastrehearse/train/step_time.py), from stated assumptions.
 """
 from __future__ import annotations
 
@@ -48,11 +57,30 @@ from .parallelize import DistInfo, decoder_layers, mixed_precision, parallelize
 
 GIB = 1 << 30
 CUDA_CONTEXT_BYTES = int(1.5 * GIB)   # assumption: CUDA context + NCCL buffers per rank
+# Usable HBM per GPU: the total capacity PyTorch reports (torch.cuda.get_device_properties().
+# total_memory, printed in its CUDA out-of-memory messages) -- not the marketing 80 / 141 GB. Not
+# measured here: the values PyTorch prints on an H100 80GB and on an H200 141GB (as quoted in
+# public CUDA out-of-memory reports).
+USABLE_HBM_GIB = {"h100-80gb": 79.19, "h200-141gb": 139.80}
+DEFAULT_BUDGET_GIB = USABLE_HBM_GIB["h100-80gb"]
+# The HF backend's DynamicCache grows each layer's keys / values by torch.cat: every decode step
+# allocates the longer tensor and frees the shorter one, which the caching allocator cannot hand to
+# the next, longer request. Assumed bound: the holes left reach the live cache again (2x in all).
+KV_GROWTH_FACTOR = 2.0
+# What torch's foreach AdamW allocates in its step, in fp32 copies of the parameter shards: 4,
+# measured by MemTracker on the CPU over the smoke model's DTensor shards (tests/test_dry_run_tracker.py;
+# plain CPU tensors: 2). Not measured on CUDA, where torch's foreach source has one explicit
+# temporary (the sqrt of exp_avg_sq): kept at 4 as the conservative value.
+ADAMW_FOREACH_SHARDS = 4
 PROBE_TOKENS = 32                      # activation bytes per token are constant in T (measured)
 
 
 class DryRunError(ConfigError):
     """The dry run cannot plan this configuration (bad world size, unknown architecture)."""
+
+
+BASES = ("measured", "formula", "assumed")
+MOMENTS = ("forward/backward", "optimizer step")
 
 
 @dataclass
@@ -61,6 +89,12 @@ class Item:
     name: str
     bytes: int
     how: str
+    basis: str          # measured | formula | assumed (see the module docstring)
+    moment: str = ""    # update only: forward/backward | optimizer step
+
+    def __post_init__(self):
+        assert self.basis in BASES, self.basis
+        assert (self.moment in MOMENTS) == (self.phase == "update"), (self.phase, self.moment)
 
 
 @dataclass
@@ -72,9 +106,23 @@ class Plan:
     params: int
     items: list[Item] = field(default_factory=list)
     activations: dict = field(default_factory=dict)   # per micro-batch, with and without checkpointing
+    budget_basis: str = "assumed"
+    step_time: dict = field(default_factory=dict)     # PREDICTED (step_time.py)
+
+    def moment_total(self, moment: str) -> int:
+        return sum(i.bytes for i in self.items if i.phase == "update" and i.moment == moment)
 
     def total(self, phase: str) -> int:
+        """A phase's bytes on top of the resident ones; the update's is its larger moment."""
+        if phase == "update":
+            return max(self.moment_total(m) for m in MOMENTS)
         return sum(i.bytes for i in self.items if i.phase == phase)
+
+    def rollback_cost(self) -> dict:
+        """What optim.rollback_nonfinite costs: its copy's bytes, and how much it raises the peak."""
+        copy_bytes = sum(i.bytes for i in self.items if i.name.startswith("rollback copy"))
+        without = Plan(**{**self.__dict__, "items": [i for i in self.items if not i.name.startswith("rollback copy")]})
+        return {"copy_gib": copy_bytes / GIB, "peak_increase_gib": (self.peak_bytes - without.peak_bytes) / GIB}
 
     @property
     def peak_phase(self) -> str:
@@ -89,12 +137,20 @@ class Plan:
         return self.peak_bytes <= self.gpu_memory_gib * GIB
 
     def to_json(self) -> dict:
-        return {**asdict(self), "resident_gib": self.total("resident") / GIB,
+        return {**asdict(self), "is_a": "plan (not measured on a GPU)",
+                "resident_gib": self.total("resident") / GIB,
                 "rollout_gib": self.total("rollout") / GIB, "update_gib": self.total("update") / GIB,
-                "peak_phase": self.peak_phase, "peak_gib": self.peak_bytes / GIB, "fits": self.fits}
+                "update_moments_gib": {m: self.moment_total(m) / GIB for m in MOMENTS},
+                "peak_phase": self.peak_phase, "peak_gib": self.peak_bytes / GIB, "fits": self.fits,
+                "rollback_nonfinite": self.rollback_cost()}
 
     def overflow_line(self) -> str:
-        big = max((i for i in self.items if i.phase in ("resident", self.peak_phase)), key=lambda i: i.bytes)
+        if self.peak_phase == "update":
+            moment = max(MOMENTS, key=self.moment_total)
+            counted = [i for i in self.items if i.phase == "resident" or i.moment == moment]
+        else:
+            counted = [i for i in self.items if i.phase in ("resident", self.peak_phase)]
+        big = max(counted, key=lambda i: i.bytes)
         return (f"does not fit {self.gpu_memory_gib:g} GiB per GPU at world size {self.world_size}: peak "
                 f"{self.peak_bytes / GIB:.1f} GiB per rank in the {self.peak_phase} phase (largest: "
                 f"{big.name}, {big.bytes / GIB:.1f} GiB)")
@@ -161,11 +217,17 @@ def _padded_shard(shape: tuple, world: int) -> int:
 def layer_activation_bytes(config, dtype: torch.dtype = torch.bfloat16) -> tuple[float, float]:
     """(bytes saved for backward per token by one decoder layer, ... with activation checkpointing),
     measured on one real layer of `config` (see the module docstring); memoized per architecture."""
-    return _layer_activation_bytes(config.to_json_string(use_diff=False), dtype)
+    return _probe_layer(config.to_json_string(use_diff=False), dtype)[:2]
+
+
+def layer_prefill_bytes(config, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Peak bytes per token one decoder layer of `config` allocates in a no-grad forward (a prefill's
+    working set; its input and weights excluded), measured by torch's MemTracker on one real layer."""
+    return _probe_layer(config.to_json_string(use_diff=False), dtype)[2]
 
 
 @functools.lru_cache(maxsize=8)
-def _layer_activation_bytes(config_json: str, dtype: torch.dtype) -> tuple[float, float]:
+def _probe_layer(config_json: str, dtype: torch.dtype) -> tuple[float, float, float]:
     from transformers import AutoConfig
     d = json.loads(config_json)
     config = AutoConfig.for_model(d.pop("model_type"), **d)
@@ -202,12 +264,20 @@ def _layer_activation_bytes(config_json: str, dtype: torch.dtype) -> tuple[float
         return sum(seen.values()) / PROBE_TOKENS
     full = saved(run)
     ckpt = saved(lambda h: torch.utils.checkpoint.checkpoint(run, h, use_reentrant=False))
-    return full, ckpt
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    tracker = MemTracker()
+    tracker.track_external(layer)
+    with torch.no_grad(), tracker:
+        out = run(x.detach())
+        del out
+    working = tracker.get_tracker_snapshot("peak")[torch.device("cpu")][_MemRefType.ACT]
+    return full, ckpt, working / PROBE_TOKENS
 
 
-def plan(cfg: TrainConfig, world: int, gpu_memory_gib: float, arch: str | None = None,
-         config_name: str = "") -> Plan:
-    """The per-rank plan of `cfg` at `world` ranks (builds and shards on torch's fake process group)."""
+def plan(cfg: TrainConfig, world: int, gpu_memory_gib: float = DEFAULT_BUDGET_GIB, arch: str | None = None,
+         config_name: str = "", budget_basis: str = "assumed") -> Plan:
+    """The per-rank plan of `cfg` at `world` ranks (builds and shards on torch's fake process group).
+    `budget_basis`: "assumed" for the default usable HBM, "given" for the user's --gpu-memory-gib."""
     if dist.is_initialized():
         raise DryRunError("a process group is already initialized in this process; run the dry run alone")
     hf_config, source = resolve_architecture(cfg, arch)
@@ -220,9 +290,9 @@ def plan(cfg: TrainConfig, world: int, gpu_memory_gib: float, arch: str | None =
         info = DistInfo(0, world, 0, torch.device("cuda", 0), "fake", mesh)   # planning for CUDA
         policy = parallelize(policy, info, precision=cfg.model.precision,
                              activation_checkpointing=cfg.model.activation_checkpointing)
-        shard = sum(_padded_shard(tuple(p.shape), world) for p in policy.parameters())
-        for p in policy.parameters():   # what FSDP2 built is what was counted
-            assert p.to_local().numel() <= _padded_shard(tuple(p.shape), world)
+        # what FSDP2 built on this rank (rank 0 holds the largest padded shard of every parameter)
+        shard = sum(p.to_local().numel() for p in policy.parameters())
+        assert shard == sum(_padded_shard(tuple(p.shape), world) for p in policy.parameters())
         layers = decoder_layers(policy)
         layer_params = sum(p.numel() for p in layers[0].parameters())
     finally:
@@ -231,35 +301,41 @@ def plan(cfg: TrainConfig, world: int, gpu_memory_gib: float, arch: str | None =
     root_params = n_params - layer_params * len(layers)
     compute = mixed_precision(cfg.model.precision, info.device).param_dtype or torch.float32
     cb = torch.finfo(compute).bits // 8
-    p = Plan(config_name, source, world, gpu_memory_gib, n_params)
-    add = p.items.append
+    p = Plan(config_name, source, world, gpu_memory_gib, n_params, budget_basis=budget_basis)
+
+    def add(phase, name, nbytes, how, basis, moment=""):
+        p.items.append(Item(phase, name, int(nbytes), how, basis, moment))
 
     # resident
-    add(Item("resident", "policy shards (fp32 master)", shard * 4, f"{shard / 1e6:.0f}M elements per rank (padded)"))
-    add(Item("resident", "gradient shards (fp32)", shard * 4, "reduce_dtype fp32"))
-    add(Item("resident", "AdamW moments (2 x fp32)", shard * 8, "exp_avg + exp_avg_sq"))
-    if cfg.optim.rollback_nonfinite:
-        add(Item("resident", "rollback copy (params + moments)", shard * 12, "optim.rollback_nonfinite"))
+    add("resident", "policy shards (fp32 master)", shard * 4,
+        f"{shard / 1e6:.0f}M elements per rank (padded), read from the FSDP2 build", "measured")
+    add("resident", "gradient shards (fp32)", shard * 4, "shard elements x 4 (reduce_dtype fp32)", "formula")
+    add("resident", "AdamW moments (2 x fp32)", shard * 8, "shard elements x 8 (exp_avg + exp_avg_sq)", "formula")
     if cfg.algo.loss.kl_coef > 0:
-        add(Item("resident", f"reference shards ({compute})", shard * cb, "algo.loss.kl_coef > 0"))
+        add("resident", f"reference shards ({compute})", shard * cb,
+            f"shard elements x {cb} (algo.loss.kl_coef > 0; resharded after each forward)", "formula")
     backend = getattr(cfg.rollout, "backend", "hf")
     kv_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim(hf_config) * 2
     rows = min(cfg.rollout.max_batch_size, math.ceil(cfg.rollout.tasks_per_step / world) * cfg.rollout.group_size)
     gen_bytes = 2 if cfg.model.precision != "fp32" else 4
     if backend == "vllm":
         frac = cfg.rollout.vllm.gpu_memory_utilization
-        add(Item("resident", "vLLM (weights + KV cache)", int(frac * gpu_memory_gib * GIB),
-                 f"rollout.vllm.gpu_memory_utilization={frac} of {gpu_memory_gib:g} GiB, held through the update"))
+        add("resident", "vLLM (weights + KV cache)", frac * gpu_memory_gib * GIB,
+            f"rollout.vllm.gpu_memory_utilization={frac} of {gpu_memory_gib:g} GiB, held through the update",
+            "formula")
         # train/model_init.build_generation_model: the vLLM weight sync writes the served file from
         # this copy (the in-process CUDA load from the shards in docs/training.md is not built)
-        add(Item("resident", "generation copy (staging for the vLLM weight sync)", n_params * gen_bytes,
-                 "whole model per rank, as the code builds it today"))
+        add("resident", "generation copy (staging for the vLLM weight sync)", n_params * gen_bytes,
+            f"parameters x {gen_bytes}: the whole model per rank, as the code builds it today", "formula")
     else:
-        add(Item("resident", "generation copy (whole model)", n_params * gen_bytes,
-                 "HF rollout backend: every rank decodes with the whole model"))
-        add(Item("rollout", "KV cache, every row at max_episode_tokens", rows * cfg.rollout.max_episode_tokens * kv_token,
-                 f"{rows} rows x {cfg.rollout.max_episode_tokens} tokens x {kv_token / 1024:.0f} KiB"))
-    add(Item("resident", "CUDA context + NCCL", CUDA_CONTEXT_BYTES, "assumed"))
+        add("resident", "generation copy (whole model)", n_params * gen_bytes,
+            f"parameters x {gen_bytes}: the HF rollout backend decodes with the whole model", "formula")
+        kv = rows * cfg.rollout.max_episode_tokens * kv_token
+        add("rollout", "KV cache, every row at max_episode_tokens", kv,
+            f"{rows} rows x {cfg.rollout.max_episode_tokens} tokens x {kv_token / 1024:.0f} KiB", "formula")
+        add("rollout", "KV cache growth by torch.cat (allocator holes)", (KV_GROWTH_FACTOR - 1) * kv,
+            f"assumed bound: holes up to the live cache again ({KV_GROWTH_FACTOR:g}x in all)", "formula")
+    add("resident", "CUDA context + NCCL", CUDA_CONTEXT_BYTES, "assumed constant", "assumed")
 
     # activations (measured per token on one real layer)
     full, ckpt = layer_activation_bytes(hf_config, compute)
@@ -272,42 +348,69 @@ def plan(cfg: TrainConfig, world: int, gpu_memory_gib: float, arch: str | None =
     # a GRPO group's copies share one prefill; at most max_batch_size rows are decoded together
     distinct = min(math.ceil(cfg.rollout.tasks_per_step / world), cfg.rollout.max_batch_size)
     if backend != "vllm":
-        add(Item("rollout", "prefill working set, one layer (bound)",
-                 int(full * distinct * cfg.rollout.max_episode_tokens),
-                 f"{distinct} distinct prompts x {cfg.rollout.max_episode_tokens} tokens x the layer's "
-                 f"saved set"))
+        working = layer_prefill_bytes(hf_config, compute)
+        add("rollout", "prefill working set, one layer (no grad)", working * distinct * cfg.rollout.max_episode_tokens,
+            f"{distinct} distinct prompts x {cfg.rollout.max_episode_tokens} tokens x {working / 1024:.0f} KiB "
+            f"(one layer's no-grad peak per token, MemTracker)", "measured")
 
-    # update
-    add(Item("update", "gathered params (root + 2 layers)", (root_params + 2 * layer_params) * cb,
-             "FSDP2 all-gather in the compute dtype, next layer prefetched"))
-    add(Item("update", "unsharded grads (root + 1 layer, fp32)", (root_params + layer_params) * 4, "before reduce-scatter"))
+    # update: forward / backward
+    fb, st = MOMENTS
+    add("update", "gathered params (root + 2 layers)", (root_params + 2 * layer_params) * cb,
+        "FSDP2 all-gather in the compute dtype, next layer prefetched", "formula", fb)
+    add("update", "unsharded grads (root + 1 layer, fp32)", (root_params + layer_params) * 4,
+        "before reduce-scatter", "formula", fb)
     ac = cfg.model.activation_checkpointing
-    add(Item("update", f"activations, {t} tokens (checkpointing {'on' if ac else 'off'})", act_on if ac else act_off,
-             f"measured {full / 1024:.0f} KiB/token/layer ({ckpt / 1024:.0f} KiB checkpointed)"))
-    add(Item("update", "LM-head kernel workspace", FUSED_WORKSPACE_BYTES_CUDA, "kernels._common.FUSED_WORKSPACE_BYTES_CUDA"))
-    add(Item("update", "hidden-state gradient (fp32)", t * h * 4, "returned by the fused loss"))
+    add("update", f"activations, {t} tokens (checkpointing {'on' if ac else 'off'})", act_on if ac else act_off,
+        f"{full / 1024:.0f} KiB/token/layer ({ckpt / 1024:.0f} KiB checkpointed), saved-tensor hooks on one "
+        f"layer", "measured", fb)
+    add("update", "LM-head kernel workspace", FUSED_WORKSPACE_BYTES_CUDA,
+        "the kernel's own budget, kernels._common.FUSED_WORKSPACE_BYTES_CUDA", "formula", fb)
+    add("update", "hidden-state gradient (fp32)", t * h * 4, "max_tokens x hidden x 4, returned by the fused loss",
+        "formula", fb)
+    # update: optimizer step (gradients sharded, activations and gathered params freed)
+    if cfg.optim.rollback_nonfinite:
+        add("update", "rollback copy (params + moments)", shard * 12,
+            "shard elements x 12, optim.rollback_nonfinite: taken before each optimizer.step()", "formula", st)
+    add("update", f"AdamW foreach temporaries ({ADAMW_FOREACH_SHARDS} x fp32 shard)", shard * 4 * ADAMW_FOREACH_SHARDS,
+        f"shard elements x 4 x {ADAMW_FOREACH_SHARDS} (the factor: torch's foreach AdamW over the DTensor "
+        f"shards, MemTracker, smoke model)", "formula", st)
+    from .step_time import predict_step_time
+    p.step_time = predict_step_time(cfg, hf_config, world, n_params)
     return p
 
 
 def print_plan(p: Plan) -> None:
     from rich.console import Console
     from rich.table import Table
-    t = Table(title=f"dry run: {p.config} at world size {p.world_size}, per rank ({p.architecture})")
-    for col, just in (("phase", "left"), ("what", "left"), ("GiB", "right"), ("from", "left")):
+    t = Table(title=f"dry run PLAN (not measured on a GPU): {p.config} at world size {p.world_size}, per rank "
+                    f"({p.architecture})")
+    for col, just in (("phase", "left"), ("what", "left"), ("GiB", "right"), ("basis", "left"), ("from", "left")):
         t.add_column(col, justify=just)
     for i in p.items:
-        t.add_row(i.phase, i.name, f"{i.bytes / GIB:.2f}", i.how)
-    for ph in ("resident", "rollout", "update"):
-        t.add_row(f"[b]{ph}[/b]", "total", f"[b]{p.total(ph) / GIB:.2f}[/b]", "")
+        t.add_row(i.phase + (f" ({i.moment})" if i.moment else ""), i.name, f"{i.bytes / GIB:.2f}", i.basis, i.how)
+    for ph in ("resident", "rollout"):
+        t.add_row(f"[b]{ph}[/b]", "total", f"[b]{p.total(ph) / GIB:.2f}[/b]", "", "")
+    for m in MOMENTS:
+        t.add_row(f"[b]update ({m})[/b]", "total", f"[b]{p.moment_total(m) / GIB:.2f}[/b]", "", "")
     a = p.activations
     t.add_row("", f"(activations without / with checkpointing: {a['without_checkpointing_gib']:.1f} / "
-                  f"{a['with_checkpointing_gib']:.1f} GiB)", "", "")
+                  f"{a['with_checkpointing_gib']:.1f} GiB)", "", "", "")
     c = Console()
     c.print(t)
     verdict = "fits" if p.fits else "DOES NOT FIT"
-    c.print(f"peak per rank: {p.peak_bytes / GIB:.1f} GiB (resident {p.total('resident') / GIB:.1f} + "
-            f"{p.peak_phase} {p.total(p.peak_phase) / GIB:.1f}) of {p.gpu_memory_gib:g} GiB: {verdict}; "
+    budget = (f"{p.gpu_memory_gib:g} GiB (assumed: the usable HBM of an 80 GB H100, as PyTorch reports it)"
+              if p.budget_basis == "assumed" else f"{p.gpu_memory_gib:g} GiB (--gpu-memory-gib)")
+    c.print(f"planned peak per rank: {p.peak_bytes / GIB:.1f} GiB (resident {p.total('resident') / GIB:.1f} + "
+            f"{p.peak_phase} {p.total(p.peak_phase) / GIB:.1f}) of {budget}: {verdict}; "
             f"{p.params / 1e9:.2f}B parameters")
+    rb = p.rollback_cost()
+    if rb["copy_gib"]:
+        c.print(f"optim.rollback_nonfinite costs {rb['copy_gib']:.2f} GiB per rank in the optimizer step "
+                f"(raises the peak by {rb['peak_increase_gib']:.2f} GiB) and a copy of it every step "
+                f"(~{p.step_time.get('rollback_copy_ms', 0):.0f} ms predicted)")
+    if p.step_time:
+        from .step_time import format_step_time
+        c.print(format_step_time(p.step_time))
 
 
 def write_json(p: Plan, path: str | Path) -> None:

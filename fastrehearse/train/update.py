@@ -9,6 +9,7 @@ import time
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from fastrehearse.algo import local_counts, token_weights
 from fastrehearse.algo.tis import apply_tis
@@ -207,7 +208,12 @@ def _fill_old_and_ref_logp(run: Run, batches) -> None:
 
 @torch.no_grad()
 def compute_logprobs(module: nn.Module, batches, cfg: TrainConfig) -> list[torch.Tensor]:
-    """[T] log-prob of every loss-bearing target under `module` (0 elsewhere), no grad."""
+    """[T] log-prob of every loss-bearing target under `module` (0 elsewhere), no grad.
+
+    An FSDP2 module is resharded afterwards: its root is wrapped with reshard_after_forward=False
+    (parallelize.py), which a backward undoes, but a no-grad forward has no backward -- the
+    reference's gathered root (embeddings + LM head, 2.3 GiB at 8B) would stay on every rank
+    through the whole update."""
     temp = cfg.algo.loss.temperature   # == rollout.temperature (1.0 when greedy); config.validate
     module.eval()
     out = []
@@ -215,6 +221,8 @@ def compute_logprobs(module: nn.Module, batches, cfg: TrainConfig) -> list[torch
         out.append(module(b, lambda h, w, **head_kw: linear_logprobs(
             h, w, b.targets, mask=b.roles != 0, temperature=temp,
             backend=cfg.model.kernel_backend, **head_kw)[0]).float())
+    if isinstance(module, FSDPModule):
+        module.reshard()
     return out
 
 
