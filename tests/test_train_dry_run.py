@@ -86,6 +86,11 @@ def test_vllm_backend_is_planned_at_its_memory_share():
                                                "algo.tis_cap=null", "rollout.vllm.gpu_memory_utilization=0.3"])
     p = plan(cfg, 4, 80)
     names = {i.name: i for i in p.items}
-    assert names["vLLM (weights + KV cache)"].bytes == int(0.3 * 80 * GIB)
-    assert "generation copy (staging for the vLLM weight sync)" in names      # what the code builds today
-    assert not any("KV cache, every row" in n for n in names) and p.total("rollout") == 0
+    vllm = names["vLLM (weights + KV cache)"]
+    assert vllm.bytes == int(0.3 * 80 * GIB) and vllm.phase == "rollout"    # slept through the update
+    # no generation copy on the trainer's side: the sync streams one parameter at a time
+    assert not any("generation copy" in n for n in names)
+    hf_config, _ = resolve_architecture(cfg, None)
+    serving = 4 if cfg.model.precision == "fp32" else 2    # bf16 on the GPU the plan is for
+    assert names["weight sync: one gathered parameter"].bytes == max(n * r for n, r in _dims(hf_config)) * serving
+    assert not any("KV cache, every row" in n for n in names)

@@ -13,11 +13,11 @@ memory is added up. Every term says where its number comes from (`Item.basis`):
 
   resident  fp32 master shards, fp32 gradient shards, AdamW's two moments, the reference shards (KL
             only, in the compute dtype), the rollout backend (HF: a whole generation copy in the
-            serving dtype; vLLM: its gpu_memory_utilization share, held through the update),
-            CUDA context + NCCL (assumed)
-  rollout   the HF backend's KV cache when every decoded row reaches max_episode_tokens, the
-            allocator holes its growth by torch.cat leaves, and one layer's no-grad working set
-            over the largest prefill
+            serving dtype; vLLM: none), CUDA context + NCCL (assumed)
+  rollout   HF: the KV cache when every decoded row reaches max_episode_tokens, the allocator holes
+            its growth by torch.cat leaves, and one layer's no-grad working set over the largest
+            prefill; vLLM: its gpu_memory_utilization share (slept through the update: designed,
+            not run on CUDA) and the weight sync's one gathered parameter
   update    two moments, the larger counts: forward/backward -- FSDP2's gathered params (root + 2
             layers in flight) and unsharded fp32 gradients (root + 1 layer), activations of one
             max_tokens micro-batch, the LM-head kernel's workspace and the hidden-state gradient;
@@ -319,14 +319,16 @@ def plan(cfg: TrainConfig, world: int, gpu_memory_gib: float = DEFAULT_BUDGET_GI
     rows = min(cfg.rollout.max_batch_size, math.ceil(cfg.rollout.tasks_per_step / world) * cfg.rollout.group_size)
     gen_bytes = 2 if cfg.model.precision != "fp32" else 4
     if backend == "vllm":
+        # One engine per rank in the rank's process; slept (level 2: weights and KV freed) through
+        # the update and filled again by the weight sync, streamed from the shards one parameter at a
+        # time (rollout/vllm_backend.py). No generation copy on the trainer's side.
         frac = cfg.rollout.vllm.gpu_memory_utilization
-        add("resident", "vLLM (weights + KV cache)", frac * gpu_memory_gib * GIB,
-            f"rollout.vllm.gpu_memory_utilization={frac} of {gpu_memory_gib:g} GiB, held through the update",
-            "formula")
-        # train/model_init.build_generation_model: the vLLM weight sync writes the served file from
-        # this copy (the in-process CUDA load from the shards in docs/training.md is not built)
-        add("resident", "generation copy (staging for the vLLM weight sync)", n_params * gen_bytes,
-            f"parameters x {gen_bytes}: the whole model per rank, as the code builds it today", "formula")
+        add("rollout", "vLLM (weights + KV cache)", frac * gpu_memory_gib * GIB,
+            f"rollout.vllm.gpu_memory_utilization={frac} of {gpu_memory_gib:g} GiB; freed through the update "
+            f"by sleep mode (designed, not run on CUDA)", "assumed")
+        largest = max(math.prod(s) for _, s in named_shapes)
+        add("rollout", "weight sync: one gathered parameter", largest * gen_bytes,
+            f"largest parameter x {gen_bytes} (serving dtype), streamed into the engine", "formula")
     else:
         add("resident", "generation copy (whole model)", n_params * gen_bytes,
             f"parameters x {gen_bytes}: the HF rollout backend decodes with the whole model", "formula")
