@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Sequence
 
@@ -238,60 +238,41 @@ def _kl(logp, ref, kl_type):
     return torch.exp(d) - d - 1.0
 
 
-def _token_terms(logp, ent, roles, adv, lr, ref, scale, cfg: PolicyLossConfig, pg_w=None):
-    """Fused path: per-token loss l_t and its explicit derivatives (fp32 [C] vectors).
+def _loss_and_slopes(logp, ent, roles, adv, old, ref, scale, cfg: PolicyLossConfig, pg_w=None):
+    """Fused path: the per-token loss l_t (token_loss, the one definition) and its slopes
+    scale_t dl_t/dlogp_t, scale_t dl_t/dH_t (None without an entropy term), by autograd over
+    token_loss on the chunk's [C] vectors -- no second, hand-derived copy of the loss to keep in
+    step. Token-level importance ratios only (a sequence ratio couples a sequence's tokens across
+    chunks: that level runs the unfused path)."""
+    with torch.enable_grad():
+        lp = logp.detach().requires_grad_()
+        en = ent.detach().requires_grad_() if ent is not None and cfg.entropy_coef != 0.0 else ent
+        l = token_loss(lp, en, roles, adv, old, ref, cfg, None, pg_w)
+        wrt = [lp] + ([en] if en is not None and en.requires_grad else [])
+        slopes = torch.autograd.grad(l, wrt, grad_outputs=scale)
+    return l.detach(), slopes[0], (slopes[1] if len(slopes) > 1 else None)
 
-    lr: the (detached) log importance ratio per token (see log_ratio). The derivatives are
-    exact for importance_sampling="token" only (a sequence ratio couples the tokens of a
-    sequence: that level runs the autograd path; this function then only gives its stats).
-    Returns (l, dl/dlogp, dl/dH or None, stats) where the derivatives already include the
-    per-token factor scale_t = w_r * c_t; stats = (ratio, clipped, dual_clipped, kl).
-    Derivatives of l_pg: ppo_clip: -A rho on the unclipped branch, 0 where clip or dual clip is
-    active; cispo: -A w with w = min(rho, 1 + clip_high) detached.
-    """
+
+@torch.no_grad()
+def _token_stats(logp, roles, adv, lr, ref, cfg: PolicyLossConfig):
+    """Metrics of the loss's terms per token: ratio exp(lr), clipped (the clipped branch is the
+    larger; cispo: the weight is capped), dual-clipped, and the KL value (None without KL)."""
     rl = _rl_mask(roles)
-    zero = torch.zeros_like(logp)
-    adv = torch.where(rl, adv, zero)
+    adv = torch.where(rl, adv, torch.zeros_like(adv))
     ratio = torch.exp(lr)
     dual = torch.zeros_like(rl)
     if cfg.pg_loss == "cispo":
-        wt = ratio.clamp(max=1.0 + cfg.clip_high)
         clipped = ratio > 1.0 + cfg.clip_high
-        pg, d_pg = -wt * adv * logp, -wt * adv
     else:
         pg1 = -adv * ratio
         pg2 = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
         clipped = pg2 > pg1
-        pg = torch.maximum(pg1, pg2)
-        d_pg = torch.where(clipped, zero, pg1)       # d(-A rho)/dlogp = -A rho
         if cfg.dual_clip is not None:
-            cap = -cfg.dual_clip * adv
-            dual = (adv < 0) & (pg > cap)
-            pg = torch.where(dual, cap, pg)
-            d_pg = torch.where(dual, zero, d_pg)
-    if pg_w is not None:                             # a constant factor on l_pg and its slope
-        gw = torch.where(rl, pg_w, torch.ones_like(pg_w))
-        pg, d_pg = pg * gw, d_pg * gw
-    l, g1 = pg, d_pg
+            dual = (adv < 0) & (torch.maximum(pg1, pg2) > -cfg.dual_clip * adv)
     kl = None
     if cfg.kl_coef != 0.0:
-        d = torch.where(rl, ref, logp) - logp
-        kl = _kl(logp, logp + d, cfg.kl_type)
-        dkl = {"k1": torch.ones_like(d), "k2": -d, "k3": 1.0 - torch.exp(d)}[cfg.kl_type]
-        if cfg.kl_ratio:                              # d(KL rho) = rho dKL + KL rho
-            l = l + cfg.kl_coef * kl * ratio
-            g1 = g1 + cfg.kl_coef * ratio * (dkl + kl)
-        else:
-            l = l + cfg.kl_coef * kl
-            g1 = g1 + cfg.kl_coef * dkl
-    g2 = None
-    if cfg.entropy_coef != 0.0:
-        l = l - cfg.entropy_coef * ent
-        g2 = torch.where(rl, -cfg.entropy_coef * scale, zero)
-    obs = roles == int(Role.OBSERVED)
-    l = torch.where(rl, l, torch.where(obs, -logp, zero))
-    g1 = torch.where(rl, g1, torch.where(obs, -torch.ones_like(logp), zero)) * scale
-    return l, g1, g2, (ratio, clipped & rl, dual & rl, kl)
+        kl = _kl(logp, torch.where(rl, ref, logp), cfg.kl_type)
+    return ratio, clipped & rl, dual & rl, kl
 
 
 # ---- fused autograd function -------------------------------------------------------------------
@@ -408,13 +389,15 @@ def _fused_sweep(x, w, plan, need_dx, need_dw, need_db=False):
         else:
             z, z_pre = head_logits(x_c, w, head, plan.backend)
             lp, h, lse, off, off_ent = row_stats(z, t_c, inv_temp, plan.with_entropy, plan.backend)
-        if plan.old is None:                                 # on-policy: ratio exactly 1
+        old_c = None if plan.old is None else plan.old[s:e]
+        ref_c = None if plan.ref is None else plan.ref[s:e]
+        if old_c is None:                                    # on-policy: ratio exactly 1
             lr = torch.zeros_like(lp)
         else:
-            lr = torch.where(_rl_mask(r_c), lp - plan.old[s:e], torch.zeros_like(lp))
-        l, g1, g2, (ratio, clipped, dual, kl) = _token_terms(
-            lp, h, r_c, plan.adv[s:e], lr, None if plan.ref is None else plan.ref[s:e],
-            plan.scale[s:e], plan.cfg, None if plan.pg_w is None else plan.pg_w[s:e])
+            lr = torch.where(_rl_mask(r_c), lp - old_c, torch.zeros_like(lp))
+        l, g1, g2 = _loss_and_slopes(lp, h, r_c, plan.adv[s:e], old_c, ref_c, plan.scale[s:e], plan.cfg,
+                                     None if plan.pg_w is None else plan.pg_w[s:e])
+        ratio, clipped, dual, kl = _token_stats(lp, r_c, plan.adv[s:e], lr, ref_c, plan.cfg)
         loss_parts.index_add_(0, r_c, l * plan.scale[s:e])
         plan.logp[s:e] = lp
         if plan.ent is not None:
@@ -708,8 +691,7 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
         with torch.no_grad():
             lp_d = lp_c.detach()
             lr = log_ratio(lp_d, old_c, _rl_mask(r_c), seq_c, cfg)
-            _, _, _, (ratio, clipped, dual, kl_c) = _token_terms(
-                lp_d, None, r_c, adv_c, lr, ref_c, scale, replace(cfg, entropy_coef=0.0))
+            ratio, clipped, dual, kl_c = _token_stats(lp_d, r_c, adv_c, lr, ref_c, cfg)
             parts = torch.zeros(NUM_ROLES, device=dev).index_add_(0, r_c, contrib.detach())
         lp_c = lp_c.detach()
         ent_c = None if ent_c is None else ent_c.detach()

@@ -42,7 +42,7 @@ class Run:
     info: DistInfo
     policy: nn.Module              # RehearsalModel (FSDP2-sharded when distributed)
     hf_model: nn.Module            # the transformers model inside `policy`
-    gen_model: nn.Module           # what the rollout engine decodes with (unsharded)
+    gen_model: nn.Module           # what rollouts come from: hf_model itself (vllm, or no group), else an unsharded copy
     ref: nn.Module | None          # frozen reference for the KL term
     tokenizer: object
     suite: object
