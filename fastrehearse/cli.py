@@ -31,6 +31,8 @@ def train_parser(prog: str = "fastrehearse train") -> argparse.ArgumentParser:
                         "logging, checkpoint and eval settings may change; docs/training.md)")
     g.add_argument("--overwrite", action="store_true",
                    help="replace the run run_dir holds (its checkpoints, metrics, export, config)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (the file, then --set) as YAML and exit; every key: docs/config.md")
     d = p.add_argument_group("dry run (no GPU, no weights, nothing written to run_dir)")
     d.add_argument("--dry-run", action="store_true",
                    help="build the run on torch's fake process group and print each rank's GPU memory")
@@ -87,9 +89,13 @@ def train_main(argv: list[str] | None = None, prog: str = "fastrehearse train") 
             print(f"{prog}: error: {flag} only goes with --dry-run (a real run's world size is torchrun's "
                   f"--nnodes x --nproc_per_node)", file=sys.stderr)
             return 2
-    from fastrehearse.train.config import ConfigError, load_config, preflight
+    from fastrehearse.train.config import ConfigError, load_config, preflight, to_dict
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.print_config:
+            import yaml
+            print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+            return 0
         preflight(cfg)      # model files, suite + options, device: before any weights load
     except ConfigError as e:
         print(f"{prog}: config error: {e}", file=sys.stderr)

@@ -30,3 +30,20 @@ def test_every_key_is_documented_with_its_default():
     missing = [k for k in keys if f"| `{k}` |" not in text]
     assert missing == []
     assert "| `algo.tis_cap` | float or None | `2.0` |" in text
+
+
+def test_print_config_prints_the_resolved_yaml_and_loads_back(tmp_path, capsys):
+    """`fastrehearse train --print-config`: the file plus --set, as YAML that loads to the same
+    config; nothing run or written."""
+    import yaml
+
+    from fastrehearse.cli import main
+    from fastrehearse.train.config import load_config, to_dict
+    args = ["--config", "configs/smoke.yaml", "--set", "algo.tis_cap=3", "--set", f"run_dir={tmp_path / 'r'}"]
+    assert main(["train", *args, "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["algo"]["tis_cap"] == 3.0 and printed == to_dict(load_config("configs/smoke.yaml", args[3::2]))
+    out = tmp_path / "printed.yaml"
+    out.write_text(yaml.safe_dump(printed))
+    assert to_dict(load_config(str(out), [])) == printed
+    assert not (tmp_path / "r").exists()
