@@ -25,19 +25,21 @@ import math
 import random
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from fastrehearse.envs.base import Trajectory
 from fastrehearse.kernels.roles import Role
 from fastrehearse.rollout.calls import execute_call, route_calls
+from fastrehearse.rollout.config import Prompt, RolloutConfig
 from fastrehearse.rollout.fidelity import FidelityScore, score_pair
 from fastrehearse.rollout.policy import Turn, TurnRequest
 from fastrehearse.rollout.segments import Segment, SegmentRequest
 from fastrehearse.rollout.template import TOOL_CALL_CLOSE, ChatTemplate
-from fastrehearse.rollout.toolcall import ParsedCall, malformed_response, parse_tool_calls
-
-if TYPE_CHECKING:   # engine.py imports this module
-    from fastrehearse.rollout.engine import Prompt, RolloutConfig
+from fastrehearse.rollout.toolcall import (
+    ParsedCall,
+    malformed_response,
+    parse_tool_calls,
+)
 
 
 @dataclass

@@ -8,6 +8,7 @@ import json
 from collections import Counter
 from dataclasses import replace
 
+from fastrehearse.rollout.config import Prompt
 from fastrehearse.rollout.decode import decode
 from fastrehearse.rollout.row import Row, RowSettings
 from fastrehearse.rollout.segments import Sampling, SegmentBackend
@@ -20,7 +21,6 @@ SIMULATOR_SYSTEM = ("You simulate the tool environment of an AI agent. Given the
 def simulate(rows: list[Row], settings: RowSettings, backend: SegmentBackend, sampling: Sampling,
              stats: Counter) -> None:
     """Write the response of every row's waiting call (`row.waiting_sim`) with a simulator prompt."""
-    from fastrehearse.rollout.engine import Prompt   # engine.py imports this module
     tmpl = settings.template
     prompts = []
     for r in rows:
