@@ -183,3 +183,9 @@ def test_every_preset_validates_with_vllm(preset):
     servability -- e.g. vLLM-CPU's head sizes -- is checked when the engine starts)."""
     cfg = load_config(CONFIGS / preset, ["rollout.backend=vllm"])
     assert cfg.rollout.backend == "vllm" and cfg.rollout.vllm.tensor_parallel_size == 1
+
+
+def test_separate_rehearsal_is_not_a_training_setting():
+    """rehearsal='separate' is the rollout benchmark's baseline: refused in training in one line."""
+    with pytest.raises(ConfigError, match=r"'rollout.rehearsal' = 'separate': training rehearses inline"):
+        load_config(CONFIGS / "smoke.yaml", ["rollout.rehearsal=separate"])

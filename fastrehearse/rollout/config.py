@@ -36,7 +36,8 @@ class RolloutConfig:
     malformed_reward: float | None = 0.0  # reward of an episode with a malformed call (None: score)
     max_batch_size: int = 64            # hf: episodes decoded together (vllm takes all at once)
     max_chunk: int = 64                 # hf: most forced tokens fed to one row in one step
-    rehearsal: str = "inline"           # inline | separate (benchmark baseline)
+    rehearsal: str = "inline"           # inline | separate (the rollout benchmark's baseline;
+                                        # refused in training)
     backend: str = "hf"                 # hf (transformers KV-cache decoding, the engine's sampler) |
                                         # vllm (one vLLM instance per process; docs/rollout.md)
     vllm: VLLMOptions = field(default_factory=VLLMOptions)   # backend=vllm only

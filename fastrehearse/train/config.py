@@ -451,6 +451,10 @@ def validate(cfg: TrainConfig, explicit: set | frozenset = frozenset()) -> Train
         cfg.rollout.engine().validate()
     except ValueError as e:
         raise ConfigError(f"config section 'rollout': {e}") from None
+    if cfg.rollout.rehearsal != "inline":
+        raise ConfigError(f"config key 'rollout.rehearsal' = {cfg.rollout.rehearsal!r}: training rehearses "
+                          f"inline; 'separate' (a fresh simulator prompt per call) is the rollout "
+                          f"benchmark's baseline (benchmarks/bench_rollout.py), not a training setting")
     want = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
     if "algo.loss.temperature" in explicit:
         t = cfg.algo.loss.temperature
