@@ -51,8 +51,16 @@ test-isa: $(STAMP)
 test-slow: $(STAMP)
 	$(VPY) -m pytest -q -m slow tests
 
+# The kernel benchmarks with the arguments the README's figures were made with (each JSON's "argv");
+# output goes to runs/bench/; `make bench BENCH_ARGS=--record` replaces the committed results.
+BENCH_ARGS ?=
+BENCH_LOGPROBS     := --n 4096 --reps 5
+BENCH_LOGPROBS_FWD := --forward-only --reps 5 --fracs 1.0 0.25 --n 4096
+BENCH_POLICY_LOSS  := --n 4096
 bench: $(STAMP)
-	$(VPY) benchmarks/bench_logprobs.py
+	$(VPY) benchmarks/bench_logprobs.py $(BENCH_LOGPROBS) $(BENCH_ARGS)
+	$(VPY) benchmarks/bench_logprobs.py $(BENCH_LOGPROBS_FWD) $(BENCH_ARGS)
+	$(VPY) benchmarks/bench_policy_loss.py $(BENCH_POLICY_LOSS) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -21,7 +21,7 @@ Prints a table, writes JSON (hardware, torch version, medians over --repeats) an
 on the same tasks with the same sampling settings, in interleaved rounds: builtin `mixed` and BFCL
 multi-turn episodes (model-sampled, T=1: what an RL step rolls out), the engine on vLLM against raw
 `LLM.generate` over the same prompts and sampled lengths, and an RL step (rollout + weight sync +
-update) on the BFCL episodes. Writes benchmarks/results/rollout_backends_<device>.json.
+update) on the BFCL episodes. Writes runs/bench/rollout_backends_<device>.json (--record: benchmarks/results/).
 
     python benchmarks/bench_rollout.py --backends hf,vllm [--model smollm2] [--rounds 2]
 """
@@ -43,9 +43,7 @@ from fastrehearse.model import load_model
 from fastrehearse.rollout.engine import SIMULATOR_SYSTEM, RolloutConfig, RolloutEngine
 from fastrehearse.rollout.template import ChatTemplate, assistant_text
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import cpu_model  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from _common import add_output_args, cpu_model, output_path  # noqa: E402
 
 
 
@@ -272,7 +270,9 @@ def backends_main(args):
                             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
                "torch": torch.__version__, "vllm_enforce_eager": args.enforce_eager, "workloads": {}}
         last = {}
-        path = Path(args.json) if args.json else RESULTS / f"rollout_backends_{'cuda' if torch.cuda.is_available() else 'cpu'}.json"
+        path = output_path(args.json, f"rollout_backends_{'cuda' if torch.cuda.is_available() else 'cpu'}.json",
+                           args.record)
+        path.parent.mkdir(parents=True, exist_ok=True)
 
         def save():   # after every run: a killed benchmark keeps what it measured
             path.write_text(json.dumps(out, indent=2, default=str))
@@ -381,7 +381,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
     ap.add_argument("--skip-sequential", action="store_true", help="skip the one-episode-at-a-time run")
-    ap.add_argument("--json", default=None, help="output JSON (default benchmarks/results/rollout_<model>.json)")
+    add_output_args(ap, "output JSON, rollout_<model>.json or (--backends) rollout_backends_<device>.json")
     ap.add_argument("--backends", default=None, help="compare generation backends, e.g. hf,vllm (see docstring)")
     ap.add_argument("--rounds", type=int, default=2, help="--backends: interleaved rounds")
     ap.add_argument("--bfcl-tasks", type=int, default=8, help="--backends: BFCL multi-turn episodes")
@@ -391,6 +391,7 @@ def main(argv=None):
     ap.add_argument("--bfcl-batch", type=int, default=2, help="--backends: BFCL episodes decoded together")
     ap.add_argument("--enforce-eager", action="store_true", help="--backends: vLLM without torch.compile")
     args = ap.parse_args(argv)
+    output_path(args.json, "-", args.record)     # --json with --record: refused before any work
     if args.backends:
         if args.tasks == 8:
             args.tasks = 16
@@ -430,7 +431,7 @@ def main(argv=None):
                 "modes do identical work; prefill_tokens = prompt + forced tokens fed to the model "
                 "(separate: + simulator prompts and the copied responses).",
     }
-    path = Path(args.json) if args.json else RESULTS / f"rollout_{args.model.replace('/', '_')}.json"
+    path = output_path(args.json, f"rollout_{args.model.replace('/', '_')}.json", args.record)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
 

@@ -39,6 +39,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _output import output_path  # noqa: E402
+
 DEVICES = {
     "h200": {"name": "NVIDIA H200", "tflops": 790.0, "tbps": 4.3, "sms": 132,
              "source": "measured on the project's H200 (8192^3 bf16 matmul 769-798 TFLOP/s, "
@@ -778,9 +781,11 @@ def print_peers(peers):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=sorted(DEVICES), default="h200")
-    ap.add_argument("--json", type=Path, nargs="?", const="default", default="default",
-                    help="where to write the records (default benchmarks/results/"
-                         "roofline_<device>.json)")
+    ap.add_argument("--json", type=Path, nargs="?", const=None, default=None,
+                    help="where to write the records (default, or --json alone: "
+                         "runs/bench/roofline_<device>.json; --record: benchmarks/results/)")
+    ap.add_argument("--record", action="store_true",
+                    help="write benchmarks/results/roofline_<device>.json, the committed records")
     ap.add_argument("--shapes", nargs="+", default=None, help="HxV, e.g. 4096x128256")
     ap.add_argument("--n", type=int, nargs="+", default=None)
     ap.add_argument("--fracs", type=float, nargs="+", default=None)
@@ -837,8 +842,7 @@ def main(argv=None):
                  else ""))
     peers = peer_records()
     print_peers(peers)
-    path = (Path(__file__).resolve().parent / "results" / f"roofline_{args.device}.json"
-            if str(args.json) == "default" else Path(args.json))
+    path = output_path(args.json, f"roofline_{args.device}.json", args.record)
     path.parent.mkdir(parents=True, exist_ok=True)
     assumptions = {"kind": "assumptions", "device": DEVICES[args.device],
                    "scenarios": [asdict(a) for a in SCENARIOS]}
