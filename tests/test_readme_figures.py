@@ -103,8 +103,31 @@ def predicted_table() -> dict[str, list[str]]:
     return out
 
 
+def _targets() -> dict[str, dict]:
+    import importlib.util
+    import sys
+    spec = importlib.util.spec_from_file_location("fr_roofline_fig", ROOT / "benchmarks" / "roofline.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["fr_roofline_fig"] = mod
+    spec.loader.exec_module(mod)
+    recs = [r for r in _j("roofline_h200.json") if r.get("kind") == "prediction"]
+    return {t["design_key"] + "/" + t["method"]: t for t in mod.targets(recs)}
+
+
+def _t25(t: dict) -> str:
+    lo, hi = t["unmasked_25_ratio_range"]
+    return f"{t['unmasked_25_ratio']:.3f}x [{lo:.3f} - {hi:.3f}]"
+
+
+def _tfloor(t: dict) -> str:
+    lo, hi = t["time_vs_target_floor_range"]
+    return f"{t['time_vs_target_floor']:.2f}x [{lo:.2f} - {hi:.2f}]"
+
+
 def prose() -> dict[str, list[str]]:
     """Figures in sentences (line key -> figures that line must hold)."""
+    tg = _targets()
+    lp, fl = tg["vocab-outer/ours-logprobs"], tg["budgeted/ours-fused-loss"]
     demo = _j("demo_backends_cpu.json")
     hf = [r for r in demo["runs"] if r["variant"] == "hf" and r["returncode"] == 0]
     vl = [r for r in demo["runs"] if r["variant"] == "vllm-eager" and r["returncode"] == 0]
@@ -123,6 +146,9 @@ def prose() -> dict[str, list[str]]:
     sharded = [r["added_policy_ref_mib"] for r in mem["methods"]["sharded"]["per_rank"]]
     whole = [r["added_policy_ref_mib"] for r in mem["methods"]["whole"]["per_rank"]]
     return {
+        "design in the code; at 25% loss rows the predicted time is": [_t25(lp)],
+        "(`linear_logprobs`) and": [_t25(fl)],
+        "GPU time <= 1.10x of the FLOP floor (predicted": [f"{_tfloor(lp)} / {_tfloor(fl)}"],
         "task success, held-out": [f"{100 * before.pop():.1f}%", f"{100 * float(succ):.1f}%", f"{n} EASY tasks"],
         "world-model fidelity (field F1)": [f"{100 * float(fid):.1f}%"],
         "wall there, median of": [f"{int(wall // 60)} min {round(wall % 60)} s", f"{len(hf)} runs"],

@@ -556,13 +556,47 @@ def _get(cfg, dotted: str):
     return cfg
 
 
+def _preset_dirs() -> list[Path]:
+    """Where the packaged presets are: the installed `fastrehearse.configs` (package data of a wheel
+    or an editable install), else a source checkout's top-level configs/ (run from its root, the
+    source folder shadows the installed package and has no `configs` subpackage)."""
+    from importlib import resources
+    dirs = []
+    try:
+        dirs.append(Path(str(resources.files("fastrehearse.configs"))))
+    except ModuleNotFoundError:
+        pass
+    src = Path(__file__).resolve().parents[2] / "configs"
+    if src.is_dir() and src not in dirs:
+        dirs.append(src)
+    return dirs
+
+
+def preset_names() -> list[str]:
+    return sorted({p.stem for d in _preset_dirs() for p in d.glob("*.yaml")})
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A YAML file, or the name of a packaged preset (`smoke`, `demo.yaml`, ...) when no file of
+    that name exists here: `--config smoke` works from any folder and with a wheel install."""
+    p = Path(path)
+    if p.is_file() or len(p.parts) != 1:
+        return p
+    name = p.name[:-len(".yaml")] if p.name.endswith(".yaml") else p.name
+    for d in _preset_dirs():
+        if (d / f"{name}.yaml").is_file():
+            return d / f"{name}.yaml"
+    return p
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """YAML file (or defaults when path is None) + `key=value` overrides, checked."""
+    """YAML file or packaged preset name (or defaults when path is None) + `key=value` overrides, checked."""
     data: dict = {}
     if path is not None:
-        p = Path(path)
+        p = resolve_config_path(path)
         if not p.is_file():
-            raise ConfigError(f"config file not found: {str(p)!r}")
+            hint = (f" (nor a packaged preset: {', '.join(preset_names())})" if len(p.parts) == 1 else "")
+            raise ConfigError(f"config file not found: {str(p)!r}{hint}")
         try:
             text = p.read_bytes().decode("utf-8")
         except UnicodeDecodeError:
