@@ -94,6 +94,9 @@ class EvalConfig:
     fidelity: bool = True           # extra rehearse-mode pass scoring rehearsed vs real responses
     before: bool = True
     after: bool = True
+    # Held-out eval every N optimizer steps (SFT steps count) as metrics rows (stage "eval"); the
+    # checkpoint with the best held-out success is kept and named in summary.json. 0: off.
+    every: int = 0
 
 
 @dataclass
@@ -428,7 +431,7 @@ def validate(cfg: TrainConfig, explicit: set | frozenset = frozenset()) -> Train
         positive(key, _get(cfg, key))
     for key in ("steps", "sft.steps", "sft.lr", "optim.grad_clip", "optim.warmup_steps",
                 "checkpoint.every", "algo.loss.kl_coef", "algo.loss.clip_low", "algo.loss.clip_high",
-                "log.plot_every", "eval.num_tasks", "eval.temperature", "optim.weight_decay",
+                "log.plot_every", "eval.num_tasks", "eval.temperature", "eval.every", "optim.weight_decay",
                 "optim.eps", "optim.min_lr_ratio", "env.max_train_tasks"):
         if _get(cfg, key) is not None:
             positive(key, _get(cfg, key), zero_ok=True)
@@ -436,6 +439,9 @@ def validate(cfg: TrainConfig, explicit: set | frozenset = frozenset()) -> Train
         raise ConfigError(f"config key 'sft.lr' must be > 0 when sft.steps > 0 (got 0 with "
                           f"sft.steps={cfg.sft.steps}): the warm-up would train nothing")
     positive("checkpoint.keep", cfg.checkpoint.keep)
+    if cfg.eval.every and not cfg.eval.num_tasks:
+        raise ConfigError(f"config key 'eval.every' = {cfg.eval.every} needs held-out tasks: "
+                          f"eval.num_tasks is 0")
     if cfg.model.options != TinyModelOptions() and not cfg.model.spec.startswith("tiny-"):
         raise ConfigError(f"config key 'model.options' is only used with tiny-* models, got "
                           f"{dataclasses.asdict(cfg.model.options)} for model.spec={cfg.model.spec!r}")
