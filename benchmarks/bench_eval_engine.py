@@ -12,7 +12,7 @@ runs) and the 1-minute load average around every job.
     nice python benchmarks/bench_eval_engine.py                 # all jobs, both paths
     python benchmarks/bench_eval_engine.py --table-only
 
-Writes benchmarks/results/eval_engine_vs_hf.json and prints a markdown table.
+Writes runs/bench/eval_engine_vs_hf.json (--record: benchmarks/results/) and prints a markdown table.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, hardware  # noqa: E402
+from _common import RESULTS, add_output_args, hardware, output_path  # noqa: E402
 
 OUT = RESULTS / "eval_engine_vs_hf.json"
 OLD_COMMIT = "a492de8"
@@ -96,13 +96,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--one-job", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--jobs", default=None, help="comma-separated job indices (default: all)")
-    p.add_argument("--table-only", action="store_true")
+    p.add_argument("--table-only", action="store_true", help="print the table of --json (default: the committed one)")
+    add_output_args(p)
     a = p.parse_args()
     if a.one_job is not None:
         print(json.dumps(one_job(a.one_job)))
         return 0
     if a.table_only:
-        print(table(json.loads(OUT.read_text())))
+        print(table(json.loads(Path(a.json or OUT).read_text())))
         return 0
     idx = [int(x) for x in a.jobs.split(",")] if a.jobs else list(range(len(JOBS)))
     data = {"what": "fastrehearse eval, same items, greedy SmolLM2-135M (embedded GGUF), 1 torch thread, "
@@ -118,7 +119,9 @@ def main() -> int:
             order = [("hf_generate", Path(old_root)), ("engine", ROOT)]
             for label, path in (order if k % 2 == 0 else order[::-1]):
                 data[label].append(run_path(label, i, path))
-    OUT.write_text(json.dumps(data, indent=1) + "\n")
+    out = output_path(a.json, OUT.name, a.record)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
     print(table(data))
     return 0
 

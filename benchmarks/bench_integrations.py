@@ -15,7 +15,7 @@ by side in one run (round-robin, `_common.time_interleaved`):
 
 All compute the same loss and gradients (tests/test_integration_trl.py). Peak memory is
 the loss phase's peak RSS above what was live before it (CPU) / max allocated (CUDA).
-Writes benchmarks/results/bench_integrations_{cpu,gpu}[_<model>].{json,png}.
+Writes runs/bench/bench_integrations_{cpu,gpu}[_<model>].{json,png} (--record: benchmarks/results/).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (RESULTS, bar_plot, default_json, fmt_bytes, hardware,  # noqa: E402
+from _common import (RESULTS, bar_plot, output_path, default_json, fmt_bytes, hardware,  # noqa: E402
                      print_table, time_interleaved, write_json)
 
 METHODS = ("trl", "fr-logprobs", "fr-fused", "fr-fused-noent")
@@ -128,7 +128,10 @@ def main(argv=None):
     p.add_argument("--completion-len", type=int, default=96)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None,
+                   help="output JSON (default runs/bench/<name>; --record: benchmarks/results/)")
+    p.add_argument("--record", action="store_true",
+                   help="write into benchmarks/results/, replacing the committed result")
     p.add_argument("--plot-only", type=Path, default=None, help="redraw the PNGs of a JSON")
     args = p.parse_args(argv)
     if args.plot_only:
@@ -176,7 +179,7 @@ def main(argv=None):
     print("time / TRL's own head + loss, median of per-round ratios:", vs_trl)
     print("fused on-policy / (log-probs + torch loss), median of per-round ratios:", fused_vs_lp)
     name = "bench_integrations" if args.model == "llama" else f"bench_integrations_{args.model}"
-    out = args.out or default_json(name, device)
+    out = output_path(args.out, default_json(name, device).name, args.record)
     write_json(out, {"benchmark": "bench_integrations", "hardware": hardware(device),
                      "settings": vars(args) | {"out": str(out)}, "shape": shape,
                      "methods": {"trl": "trl.GRPOTrainer 1.16 (own chunked head + loss)",

@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _output import add_output_args, output_path  # noqa: E402
 
 
 def load_old_kernels(rev: str, into: Path):
@@ -65,8 +67,9 @@ def main() -> int:
     p.add_argument("--old", required=True, help="git revision whose kernels/ is the baseline")
     p.add_argument("--reps", type=int, default=8)
     p.add_argument("--shape", default="512,576,49152", help="N,H,V (default: SmolLM2-135M's head)")
-    p.add_argument("--json", default="benchmarks/results/kernel_revs_cpu.json")
+    add_output_args(p)
     a = p.parse_args()
+    a.json = output_path(a.json, "kernel_revs_cpu.json", a.record)
     torch.set_num_threads(1)
     n, h, v = (int(s) for s in a.shape.split(","))
     import fastrehearse.kernels as new

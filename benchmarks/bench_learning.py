@@ -39,7 +39,7 @@ the minimum detectable effect (benchmarks/learning_report.py).
 Resumable: a finished run (its summary.json counts the planned steps) is skipped, a started one
 continues with `fastrehearse train --resume`, an eval directory continues where it stopped (and is
 redone when its checkpoint changed). Failed commands are listed under "failures"; their numbers
-are missing, never zero. Writes benchmarks/results/learning_v2_smollm2.{json,md,png}.
+are missing, never zero. Writes runs/bench/learning_v2_smollm2.{json,md,png} (--record: benchmarks/results/).
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS  # noqa: E402
+from _common import RESULTS, SCRATCH  # noqa: E402
 
 ARMS = ("R", "Ca", "Cc", "H", "S")
 ARM_NAMES = {"R": "real-env GRPO, answer reward", "Ca": "rehearse, consistent reward",
@@ -140,7 +140,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=2, help="runs side by side (each --threads torch threads)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--runs", default=None, help="root of the run dirs (default runs/learning_v2)")
-    p.add_argument("--out", default=None, help="output prefix (default benchmarks/results/learning_v2_smollm2)")
+    p.add_argument("--out", default=None, help="output prefix (default runs/bench/learning_v2_smollm2; "
+                                               "--record: benchmarks/results/learning_v2_smollm2)")
+    p.add_argument("--record", action="store_true",
+                   help="write the report into benchmarks/results/, replacing the committed one")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="extra train override for every run, warm-up included")
     p.add_argument("--no-drift", action="store_true", help="skip the API-drift eval (reported missing)")
@@ -158,7 +161,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.n_tf = a.n_tf if a.n_tf is not None else (4 if a.tiny else 256)
     a.n_rehearsal = a.n_rehearsal if a.n_rehearsal is not None else (2 if a.tiny else 64)
     a.runs = Path(a.runs or f"runs/learning_v2{'_tiny' if a.tiny else ''}")
-    a.out = Path(a.out) if a.out else (a.runs / "learning_v2_tiny" if a.tiny else RESULTS / "learning_v2_smollm2")
+    if a.out and a.record:
+        p.error("--out and --record: give one")
+    a.out = Path(a.out) if a.out else (a.runs / "learning_v2_tiny" if a.tiny else
+                                       (RESULTS if a.record else SCRATCH) / "learning_v2_smollm2")
     a.arms = [x.strip() for x in a.arms.split(",") if x.strip()]
     bad = [x for x in a.arms if x not in KNOWN_ARMS]
     if bad or not a.arms:

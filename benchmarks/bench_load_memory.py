@@ -11,7 +11,7 @@ before and after. Methods:
            deep-copies it for the reference and the generation copy, then shards the policy
   sharded  built on meta, sharded, each rank reading its rows from the safetensors files; the
            reference filled from the policy's shards; the generation copy filled one tensor at a time
-Methods alternate over --rounds; the table shows medians. Writes benchmarks/results/load_memory_cpu.json.
+Methods alternate over --rounds; the table shows medians. Writes runs/bench/load_memory_cpu.json (--record: benchmarks/results/).
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "benchmarks" / "results" / "load_memory_cpu.json"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _output import add_output_args, output_path  # noqa: E402
 METHODS = ("whole", "sharded")
 
 
@@ -104,9 +105,10 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--json", type=Path, default=OUT)
+    add_output_args(ap)
     ap.add_argument("--worker", nargs=3, metavar=("METHOD", "SPEC", "OUT"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    a.json = output_path(a.json, "load_memory_cpu.json", a.record)
     if a.worker:
         worker(*a.worker)
         return 0

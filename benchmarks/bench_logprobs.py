@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (plot_by_config, default_json, fmt_bytes, hardware, matmul_tflops,  # noqa: E402
+from _common import (add_output_args, output_path, plot_by_config, default_json, fmt_bytes, hardware, matmul_tflops,  # noqa: E402
                      peak_extra_bytes, print_table, randn_on, successful, time_fn,
                      time_interleaved, write_json)
 
@@ -222,7 +222,7 @@ MASK_AGNOSTIC = {"naive", "F.linear_cross_entropy", "F.linear_cross_entropy chun
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json", type=Path, default=None)
+    add_output_args(p)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--n", type=int, nargs="+", default=None)
     p.add_argument("--fracs", type=float, nargs="+", default=[1.0, 0.5, 0.25])
@@ -258,8 +258,8 @@ def main(argv=None):
     shapes = ([tuple(int(s) for s in sh.split("x")) for sh in args.shapes] if args.shapes
               else (GPU_SHAPES if cuda else CPU_SHAPES))
     reps = args.reps or (10 if cuda else 3)
-    path = args.json or default_json("bench_logprobs_fwd" if args.forward_only
-                                     else "bench_logprobs", device)
+    path = output_path(args.json, default_json("bench_logprobs_fwd" if args.forward_only
+                                               else "bench_logprobs", device).name, args.record)
 
     hw = hardware(device)
     rate = matmul_tflops(device, dtype)

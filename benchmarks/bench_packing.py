@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _output import add_output_args, output_path  # noqa: E402
 sys.path.insert(0, str(ROOT))
 
 from fastrehearse.data import Episode  # noqa: E402
@@ -274,7 +276,7 @@ def plot(eff_rows, thr, path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", default=str(ROOT / "benchmarks/results/bench_packing_cpu.json"))
+    add_output_args(ap)
     ap.add_argument("--png", default=None, help="default: the --json path with .png")
     ap.add_argument("--episodes", type=int, default=512, help="episodes per efficiency trial")
     ap.add_argument("--seeds", type=int, default=5)
@@ -287,6 +289,7 @@ def main():
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke check of the script)")
     args = ap.parse_args()
+    args.json = output_path(args.json, "bench_packing_cpu.json", args.record)
     if args.quick:
         args.episodes, args.seeds, args.thr_episodes, args.repeats = 64, 2, 4, 1
     dtype = getattr(torch, args.dtype) if args.dtype else (

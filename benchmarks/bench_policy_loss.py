@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (plot_by_config, default_json, fmt_bytes, hardware, peak_extra_bytes,  # noqa: E402
+from _common import (add_output_args, output_path, plot_by_config, default_json, fmt_bytes, hardware, peak_extra_bytes,  # noqa: E402
                      print_table, randn_on, successful, time_fn, time_interleaved, write_json)
 
 from fastrehearse.kernels import PolicyLossConfig, Role, linear_policy_loss  # noqa: E402
@@ -128,7 +128,7 @@ def _stepper(run, x, w):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json", type=Path, default=None)
+    add_output_args(p)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--n", type=int, nargs="+", default=None)
     p.add_argument("--fracs", type=float, nargs="+", default=None)
@@ -153,7 +153,7 @@ def main(argv=None):
     shapes = ([tuple(int(s) for s in sh.split("x")) for sh in args.shapes] if args.shapes
               else (GPU_SHAPES if cuda else [(576, 49152)]))
     reps = args.reps or (10 if cuda else 3)
-    path = args.json or default_json("bench_policy_loss", device)
+    path = output_path(args.json, default_json("bench_policy_loss", device).name, args.record)
     hw = hardware(device)
     print(hw)
     rows, skipped = [], {}

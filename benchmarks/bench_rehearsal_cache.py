@@ -12,7 +12,7 @@ same_episode_as_first are relative to the first variant listed (default: re-pref
     nice python benchmarks/bench_rehearsal_cache.py                       # demo checkpoint if present
     python benchmarks/bench_rehearsal_cache.py --policy smollm2 --rounds 1 --user-turns 1
 
-Writes benchmarks/results/bench_rehearsal_cache.json and prints a table.
+Writes runs/bench/bench_rehearsal_cache.json (--record: benchmarks/results/) and prints a table.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, hardware, print_table, write_json  # noqa: E402
+from _common import add_output_args, hardware, output_path, print_table, write_json  # noqa: E402
 
 from fastrehearse.eval import suites  # noqa: E402
 from fastrehearse.eval.rehearsal import DEFAULT_PREFIX_CACHE_BYTES, RehearsalPolicy  # noqa: E402
@@ -84,8 +84,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS)}")
-    p.add_argument("--json", default=str(RESULTS / "bench_rehearsal_cache.json"))
+    add_output_args(p)
     a = p.parse_args()
+    a.json = output_path(a.json, "bench_rehearsal_cache.json", a.record)
     for name in ("user_turns", "max_turns", "budget", "max_new_tokens", "rounds", "threads"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")

@@ -18,10 +18,14 @@ Prints a table, writes JSON (hardware, torch version, medians over --repeats) an
     python benchmarks/bench_rollout.py [--model smollm2|tiny-llama] [--tasks 8] [--json PATH]
 
 `--backends hf,vllm` instead compares the generation backends (fastrehearse/rollout/segments.py)
-on the same tasks with the same sampling settings, in interleaved rounds: builtin `mixed` and BFCL
-multi-turn episodes (model-sampled, T=1: what an RL step rolls out), the engine on vLLM against raw
-`LLM.generate` over the same prompts and sampled lengths, and an RL step (rollout + weight sync +
-update) on the BFCL episodes. Writes benchmarks/results/rollout_backends_<device>.json.
+on the same tasks with the same sampling settings, in interleaved rounds with fresh tasks every
+round (no round reuses an earlier round's prefix cache for its prompts): builtin `mixed`, a
+GRPO-shaped builtin workload (`builtin_grpo`: --tasks // group_size prompts x group_size samples,
+the group from --preset) and BFCL multi-turn episodes (model-sampled, T=1: what an RL step rolls
+out), the engine on vLLM against raw `LLM.generate` over the same prompts and sampled lengths, and
+an RL step (rollout + weight sync + update, timed on every episode) on the BFCL episodes. Before
+each round it waits (up to --idle-wait-s) for the 1-minute load to fall below --idle-load, records
+the load at the round's start and end, and marks a round above the core count "loaded". Writes runs/bench/rollout_backends_<device>.json (--record: benchmarks/results/).
 
     python benchmarks/bench_rollout.py --backends hf,vllm [--model smollm2] [--rounds 2]
 """
@@ -43,9 +47,7 @@ from fastrehearse.model import load_model
 from fastrehearse.rollout.engine import SIMULATOR_SYSTEM, RolloutConfig, RolloutEngine
 from fastrehearse.rollout.template import ChatTemplate, assistant_text
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import cpu_model  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from _common import add_output_args, cpu_model, output_path  # noqa: E402
 
 
 
@@ -165,11 +167,39 @@ class _TimedBackend:
         return Timed()
 
 
-def _backend_run(model, tok, tmpl, suite, tasks, cfg, backend, seed):
+WORKLOADS = ("builtin_mixed", "builtin_grpo", "bfcl_multi_turn")
+
+
+def round_tasks(tasks: list, r: int, n: int) -> list:
+    """Round r's tasks: the r-th block of n (fresh tasks every round: a later round must not reuse
+    an earlier round's prefix cache for the same prompts, which a training step never sees)."""
+    block = tasks[r * n:(r + 1) * n]
+    if len(block) < n:
+        raise SystemExit(f"{len(tasks)} tasks are not enough for round {r} of {n} fresh ones")
+    return block
+
+
+def wait_idle(max_load: float, limit_s: float, poll_s: float = 5.0) -> dict:
+    """Before a timed round: wait (up to limit_s) until the 1-minute load average is below
+    max_load. Returns the load when the round starts and how long it waited."""
+    t0 = time.monotonic()
+    while os.getloadavg()[0] >= max_load and time.monotonic() - t0 < limit_s:
+        time.sleep(min(poll_s, max(0.0, limit_s - (time.monotonic() - t0))))
+    return {"loadavg_1m_start": round(os.getloadavg()[0], 2), "idle_wait_s": round(time.monotonic() - t0, 1)}
+
+
+def mark_loaded(rec: dict, cores: int) -> dict:
+    """A figure taken while the 1-minute load (at the round's start or end) exceeded the core count
+    is marked loaded: other jobs then shared its CPUs."""
+    rec["loaded"] = max(rec.get("loadavg_1m_start", 0.0), rec.get("loadavg_1m", 0.0)) > cores
+    return rec
+
+
+def _backend_run(model, tok, tmpl, suite, tasks, cfg, backend, seed, group_size=1):
     timed = _TimedBackend(backend) if backend is not None else None
     eng = RolloutEngine(model, tok, cfg, template=tmpl, backend=timed)
     t0 = time.perf_counter()
-    res = eng.rollout(tasks, suite, group_size=1, seed=seed)
+    res = eng.rollout(tasks, suite, group_size=group_size, seed=seed)
     dt = time.perf_counter() - t0
     m = res.metrics
     rec = {"rollout_s": dt, "tokens": m["decode_tokens"], "tokens_per_s": m["decode_tokens"] / dt,
@@ -236,25 +266,43 @@ def backends_main(args):
     from fastrehearse.envs import get_suite
     from fastrehearse.rollout.vllm_backend import VLLMBackend
     from fastrehearse.rollout.engine import VLLMOptions
+    from fastrehearse.train.config import load_config
     names = args.backends.split(",")
     if any(n not in ("hf", "vllm") for n in names):
         raise SystemExit(f"--backends: expected names from hf,vllm, got {args.backends!r}")
+    unknown = [w for w in args.workloads if w not in WORKLOADS]
+    if unknown or not args.workloads:
+        raise SystemExit(f"--workloads: unknown {unknown or 'empty'}; choose from {','.join(WORKLOADS)}")
+    for flag, v in (("--rounds", args.rounds), ("--tasks", args.tasks), ("--bfcl-tasks", args.bfcl_tasks)):
+        if v < 1:
+            raise SystemExit(f"{flag} must be >= 1, got {v}")
+    for flag, v in (("--group-size", args.group_size), ("--idle-wait-s", args.idle_wait_s),
+                    ("--update-episodes", args.update_episodes)):
+        if v < 0:
+            raise SystemExit(f"{flag} must be >= 0, got {v}")
     torch.set_num_threads(args.threads or 2)
     model, tok = load_model(args.model)
     model.eval()
     tmpl = ChatTemplate(tok)
+    group = args.group_size or load_config(args.preset).rollout.group_size
+    n_builtin = max(args.tasks * args.rounds, 16)
+    builtin_cfg = RolloutConfig(mode="rehearse", temperature=1.0, max_new_tokens=96, max_turns=3,
+                                max_episode_tokens=2048, max_batch_size=64)
+    # name -> (suite, task selection, engine config, episodes per task)
     workloads = {
-        "builtin_mixed": (BuiltinSuite(level="mixed", n_train=max(args.tasks, 16), n_test=8),
-                          dict(split="train", limit=args.tasks),
-                          RolloutConfig(mode="rehearse", temperature=1.0, max_new_tokens=96, max_turns=3,
-                                        max_episode_tokens=2048, max_batch_size=64)),
+        "builtin_mixed": (BuiltinSuite(level="mixed", n_train=n_builtin, n_test=8),
+                          dict(split="train", limit=args.tasks), builtin_cfg, 1),
+        # GRPO-shaped: the step's prompts, group_size samples each (they share the prompt's prefix)
+        "builtin_grpo": (BuiltinSuite(level="mixed", n_train=n_builtin, n_test=8),
+                         dict(split="train", limit=max(1, args.tasks // group)), builtin_cfg, group),
         "bfcl_multi_turn": (get_suite("bfcl"), dict(split="multi_turn_base", limit=args.bfcl_tasks),
                             # 2 rows at a time: HF's batched prefill of 8 x 7.4k-token prompts needs
                             # ~16 GB of attention scores (it was OOM-killed on the 24 GB box)
                             RolloutConfig(mode="real", temperature=1.0, max_new_tokens=96,
                                           max_turns=args.bfcl_turns, max_episode_tokens=8192,
-                                          max_batch_size=args.bfcl_batch)),
+                                          max_batch_size=args.bfcl_batch), 1),
     }
+    workloads = {w: workloads[w] for w in args.workloads}
     backends, startup = {}, {}
     t0 = time.perf_counter()
     backends["hf"] = None                        # the engine's default (HFGenerator over `model`)
@@ -272,28 +320,42 @@ def backends_main(args):
                             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
                "torch": torch.__version__, "vllm_enforce_eager": args.enforce_eager, "workloads": {}}
         last = {}
-        path = Path(args.json) if args.json else RESULTS / f"rollout_backends_{'cuda' if torch.cuda.is_available() else 'cpu'}.json"
+        path = output_path(args.json, f"rollout_backends_{'cuda' if torch.cuda.is_available() else 'cpu'}.json",
+                           args.record)
+        path.parent.mkdir(parents=True, exist_ok=True)
 
         def save():   # after every run: a killed benchmark keeps what it measured
             path.write_text(json.dumps(out, indent=2, default=str))
 
         # untimed warm-up, one builtin episode per backend: the first requests pay one-time costs
         # (vLLM's first forwards, kernel set-up; HF's allocator) that a single timed round would count
-        suite, tk, cfg = workloads["builtin_mixed"]
+        suite, tk, cfg, _ = next(iter(workloads.values()))
+        warm = suite.tasks(tk["split"], limit=tk["limit"] * args.rounds + 1)[-1:]   # a task no round uses
         for n in names:
-            _backend_run(model, tok, tmpl, suite, suite.tasks(tk["split"], limit=1), cfg, backends[n], seed=99)
-        out["warmup"] = "one untimed builtin episode per backend before the timed rounds"
-        for wname, (suite, tk, cfg) in workloads.items():
-            tasks = suite.tasks(tk["split"], limit=tk["limit"])
+            _backend_run(model, tok, tmpl, suite, warm, cfg, backends[n], seed=99)
+        out["warmup"] = "one untimed episode per backend (of a task no timed round uses) before the rounds"
+        out["fresh_tasks_per_round"] = True
+        out["group_size"] = group
+        out["idle"] = {"max_load": args.idle_load, "wait_limit_s": args.idle_wait_s,
+                       "loaded_means": f"1-minute load above {os.cpu_count()} cores at a round's start or end"}
+        cores = os.cpu_count()
+        for wname, (suite, tk, cfg, per_task) in workloads.items():
+            every = suite.tasks(tk["split"], limit=tk["limit"] * args.rounds)
             runs = {n: [] for n in names}
             for r in range(args.rounds):                 # interleaved: hf, vllm / vllm, hf / ...
+                tasks = round_tasks(every, r, tk["limit"])   # the same tasks for both backends
                 for n in (names if r % 2 == 0 else names[::-1]):
-                    rec, res = _backend_run(model, tok, tmpl, suite, tasks, cfg, backends[n], seed=r)
+                    idle = wait_idle(args.idle_load, args.idle_wait_s)
+                    rec, res = _backend_run(model, tok, tmpl, suite, tasks, cfg, backends[n], seed=r,
+                                            group_size=per_task)
+                    rec.update(idle, round=r, task_ids=[t.id for t in tasks])
+                    rec["loadavg_1m"] = os.getloadavg()[0]     # the box is shared: how busy it was
+                    mark_loaded(rec, cores)
                     runs[n].append(rec)
                     last[(wname, n)] = res
-                    rec["loadavg_1m"] = os.getloadavg()[0]     # the box is shared: how busy it was
                     print(f"{wname} round {r} {n}: {rec['rollout_s']:.1f} s, {rec['tokens']} tokens, "
-                          f"{rec['tokens_per_s']:.1f} tok/s (load {rec['loadavg_1m']:.1f})", flush=True)
+                          f"{rec['tokens_per_s']:.1f} tok/s (load {rec['loadavg_1m_start']:.1f} -> "
+                          f"{rec['loadavg_1m']:.1f}{', LOADED' if rec['loaded'] else ''})", flush=True)
                     out["workloads"][wname] = {"partial": True, "runs": runs}
                     save()
             recs = []
@@ -303,14 +365,15 @@ def backends_main(args):
                 tps = statistics.median(x["tokens_per_s"] for x in rs)
                 recs.append({"backend": n, "startup_s": round(startup[n], 2), "rollout_s": round(med, 2),
                              "tokens": rs[-1]["tokens"], "tokens_per_s": round(tps, 2),
-                             "episodes": rs[-1]["episodes"], "rounds": rs})
-            w = {"tasks": len(tasks), "config": {k: getattr(cfg, k) for k in ("mode", "temperature", "max_new_tokens",
+                             "episodes": rs[-1]["episodes"], "loaded_rounds": sum(x["loaded"] for x in rs),
+                             "rounds": rs})
+            w = {"tasks": len(tasks), "episodes_per_task": per_task, "config": {k: getattr(cfg, k) for k in ("mode", "temperature", "max_new_tokens",
                                                                               "max_turns", "max_episode_tokens")},
                  "records": recs}
             if len(names) == 2:
                 w["ratio_tokens_per_s"] = round(recs[1]["tokens_per_s"] / recs[0]["tokens_per_s"], 3)
             out["workloads"][wname] = w
-        if "vllm" in names:
+        if "vllm" in names and {"builtin_mixed", "bfcl_multi_turn"} <= set(workloads):
             b = backends["vllm"]
             raw = _raw_generate(b.llm, last[("builtin_mixed", "vllm")].episodes)
             raw["loadavg_1m"] = os.getloadavg()[0]
@@ -333,7 +396,7 @@ def backends_main(args):
             syncs = [b.sync_weights(model) for _ in range(2)]
             out["weight_sync_s"] = syncs
             save()
-            eps = last[("bfcl_multi_turn", names[0])].episodes[:args.update_episodes]
+            eps = last[("bfcl_multi_turn", names[0])].episodes[:args.update_episodes or None]
             upd = _update_seconds(model, eps)
             n_eps = out["workloads"]["bfcl_multi_turn"]["tasks"]
             upd_all = upd * n_eps / len(eps)
@@ -344,13 +407,16 @@ def backends_main(args):
                                         "update_s": round(upd_all, 2),
                                         "step_s": round(rec["rollout_s"] + sync + upd_all, 2)}
             out["rl_step_bfcl_multi_turn"] = {
-                **step, "update_note": f"update measured on {len(eps)} of the {n_eps} episodes (packed, fused RL "
-                                       f"head, activation checkpointing, backward, AdamW) and scaled by {n_eps}/{len(eps)}; "
-                                       f"the same for both backends",
+                **step, "update_note": (f"update measured on {len(eps)} of the {n_eps} episodes (packed, fused RL "
+                                        f"head, activation checkpointing, backward, AdamW)"
+                                        + (f" and scaled by {n_eps}/{len(eps)}" if len(eps) < n_eps else "")
+                                        + "; the same for both backends"),
                 "speedup": (round(step["hf"]["step_s"] / step["vllm"]["step_s"], 3)
                             if "hf" in step and "vllm" in step and step["vllm"]["step_s"] > 0 else None)}
             save()
-        out["note"] = ("same tasks, seeds and sampling settings (T=1, top_p=1) for both backends, rounds interleaved; "
+        out["note"] = ("same tasks per round (fresh tasks every round), seeds and sampling settings (T=1, top_p=1) "
+                       "for both backends, rounds interleaved, each after waiting for an idle box (idle); "
+                       "a round whose load exceeded the core count is marked loaded; "
                        "tokens = tokens the model sampled (episodes differ in content between backends: tokens/s "
                        "normalizes); start-up reported separately; the 2-core box is shared with other jobs.")
         save()
@@ -381,16 +447,28 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
     ap.add_argument("--skip-sequential", action="store_true", help="skip the one-episode-at-a-time run")
-    ap.add_argument("--json", default=None, help="output JSON (default benchmarks/results/rollout_<model>.json)")
+    add_output_args(ap, "output JSON, rollout_<model>.json or (--backends) rollout_backends_<device>.json")
     ap.add_argument("--backends", default=None, help="compare generation backends, e.g. hf,vllm (see docstring)")
     ap.add_argument("--rounds", type=int, default=2, help="--backends: interleaved rounds")
     ap.add_argument("--bfcl-tasks", type=int, default=8, help="--backends: BFCL multi-turn episodes")
     ap.add_argument("--bfcl-turns", type=int, default=1, help="--backends: BFCL policy turns per user turn")
-    ap.add_argument("--update-episodes", type=int, default=1, help="--backends: episodes the update is timed on")
+    ap.add_argument("--update-episodes", type=int, default=0,
+                    help="--backends: episodes the update is timed on (0: all; fewer: scaled, and said so)")
     ap.add_argument("--kv-cache-gib", type=int, default=2, help="--backends: VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--bfcl-batch", type=int, default=2, help="--backends: BFCL episodes decoded together")
     ap.add_argument("--enforce-eager", action="store_true", help="--backends: vLLM without torch.compile")
+    ap.add_argument("--workloads", type=lambda s: [w for w in s.split(",") if w],
+                    default=["builtin_mixed", "builtin_grpo", "bfcl_multi_turn"],
+                    help="--backends: comma list of builtin_mixed, builtin_grpo, bfcl_multi_turn")
+    ap.add_argument("--preset", default="demo", help="--backends: the preset whose rollout.group_size "
+                                                     "shapes builtin_grpo (a name or a YAML file)")
+    ap.add_argument("--group-size", type=int, default=0, help="--backends: builtin_grpo's group (0: the preset's)")
+    ap.add_argument("--idle-load", type=float, default=1.0,
+                    help="--backends: before each round wait until the 1-minute load is below this")
+    ap.add_argument("--idle-wait-s", type=float, default=300.0,
+                    help="--backends: the longest wait for an idle box per round (0: do not wait)")
     args = ap.parse_args(argv)
+    output_path(args.json, "-", args.record)     # --json with --record: refused before any work
     if args.backends:
         if args.tasks == 8:
             args.tasks = 16
@@ -430,7 +508,7 @@ def main(argv=None):
                 "modes do identical work; prefill_tokens = prompt + forced tokens fed to the model "
                 "(separate: + simulator prompts and the copied responses).",
     }
-    path = Path(args.json) if args.json else RESULTS / f"rollout_{args.model.replace('/', '_')}.json"
+    path = output_path(args.json, f"rollout_{args.model.replace('/', '_')}.json", args.record)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
 

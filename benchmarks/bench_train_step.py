@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from _common import (bar_plot, default_json, fmt_bytes, hardware, matmul_tflops,  # noqa: E402
+from _common import (add_output_args, bar_plot, default_json, output_path, fmt_bytes, hardware, matmul_tflops,  # noqa: E402
                      peak_extra_bytes, print_table, write_json)
 
 from fastrehearse.algo import AdvantageConfig, compute_advantages, local_counts  # noqa: E402
@@ -199,7 +199,7 @@ def run_method(name, fn, device, reps: int, real_tokens: int):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", default=None)
+    add_output_args(ap)
     ap.add_argument("--png", default=None)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -276,7 +276,7 @@ def main():
                "results": rows, "speedup_tokens_per_s": speedup,
                "peak_memory_ratio": mem_ratio, "loss_rel_diff": rel, "matmul": mfu}
     tag = f"bench_train_step_{args.model}" + ("_ac" if args.activation_checkpointing else "")
-    out = Path(args.json) if args.json else default_json(tag, device)
+    out = output_path(args.json, default_json(tag, device).name, args.record)
     write_json(out, payload)
     bar_plot(Path(args.png) if args.png else out.with_suffix(".png"), ["tokens/s", "peak extra GiB"],
              {r["method"]: [r["tokens_per_s"] / 1000, (r["peak_extra_bytes"] or 0) / 2**30] for r in rows},

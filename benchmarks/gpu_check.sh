@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-shot GPU check of the kernels and the trainer, inside an 8-minute budget. From the repo root
-# on the GPU machine (the device tool sets OUT):
+# on the GPU machine (docs/gpu.md, section 5):
 #
 #   OUT=/some/dir bash benchmarks/gpu_check.sh          # the real run (<= 8 min on an H200)
 #   bash benchmarks/gpu_check.sh --dry-run              # print the steps, run nothing
@@ -24,9 +24,9 @@
 #   8. bench_packing        --device cuda
 # Torch-backend methods ("ours (torch)", "fused/unfused (torch)") are not run on CUDA.
 # Every benchmark rewrites its JSON after each configuration, so a step's timeout keeps what it
-# measured. Files in $OUT (the device tool returns at most 8): gpu_check.log and the JSON of the
-# steps (PNGs are moved out; regenerate them from the JSON); past 8 files the last steps' JSON go
-# into one gpu_check_extra.tgz at the end.
+# measured. Files in $OUT (at most 8, small enough to copy back from a remote box): gpu_check.log
+# and the JSON of the steps (PNGs are moved out; regenerate them from the JSON); past 8 files the
+# last steps' JSON go into one gpu_check_extra.tgz at the end.
 set -u -o pipefail
 
 DRY=0
@@ -160,7 +160,7 @@ step "bench_packing" 60 $PY benchmarks/bench_packing.py --device $DEV $PACK_ARGS
 
 if [ "$DRY" = 0 ]; then
   mkdir -p /tmp/gpu_check_png && mv -f "$OUT"/*.png /tmp/gpu_check_png/ 2>/dev/null
-  if [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then    # the device tool returns 8 files at most
+  if [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then    # keep $OUT to 8 files
     extra=()
     for f in bench_packing_gpu.json bench_policy_loss_liger_gpu.json bench_logprobs_gpu_shapes.json; do
       [ -f "$OUT/$f" ] && extra+=("$f")

@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import roofline  # noqa: E402
-from _common import hardware  # noqa: E402
+from _common import add_output_args, hardware, output_path  # noqa: E402
 
 from fastrehearse.kernels import PolicyLossConfig, linear_logprobs, linear_policy_loss  # noqa: E402
 from fastrehearse.kernels import _common as kc  # noqa: E402
@@ -85,8 +85,7 @@ def main(argv=None):
     ap.add_argument("--h", type=int, default=4096)
     ap.add_argument("--v", type=int, default=128256)
     ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU, code path only")
-    ap.add_argument("--json", type=Path, default=None,
-                    help="default benchmarks/results/gpu_microbench_<gpu|cpu_smoke>.json")
+    add_output_args(ap, "output JSON, gpu_microbench_<gpu|cpu_smoke>.json")
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not a.smoke
     if not cuda and not a.smoke:
@@ -95,8 +94,8 @@ def main(argv=None):
     if a.smoke:
         a.n, a.h, a.v = 192, 32, 1000
     dt = torch.bfloat16 if cuda else torch.float32
-    path = a.json or Path(__file__).resolve().parent / "results" / (
-        "gpu_microbench_gpu.json" if cuda else "gpu_microbench_cpu_smoke.json")
+    path = output_path(a.json, "gpu_microbench_gpu.json" if cuda else "gpu_microbench_cpu_smoke.json",
+                       a.record)
     tflops, tbps = measured_rates(dev)
     dev_model = dict(roofline.DEVICES["h200"])
     out = {"benchmark": "gpu_microbench", "hardware": hardware(dev), "shape": [a.n, a.h, a.v],

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, hardware, print_table, write_json  # noqa: E402
+from _common import RESULTS, SCRATCH, hardware, print_table, write_json  # noqa: E402
 import bench_learning as bl  # noqa: E402
 
 SIGNAL = (0.05, 0.95)
@@ -52,8 +52,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="extra train override for every probe (after the arm's own)")
     p.add_argument("--show", type=int, default=0, metavar="K",
                    help="print the first K episodes of each probe as text (after the prompt), with their rewards")
-    p.add_argument("--out", default=str(RESULTS / "rollout_signal"), help="output prefix (.json)")
+    p.add_argument("--out", default=None, help="output prefix (.json; default runs/bench/rollout_signal, "
+                                               "--record: benchmarks/results/rollout_signal)")
+    p.add_argument("--record", action="store_true", help="write into benchmarks/results/")
     a = p.parse_args(argv)
+    if a.out and a.record:
+        p.error("--out and --record: give one")
+    a.out = a.out or str((RESULTS if a.record else SCRATCH) / "rollout_signal")
     a.arms = [x.strip() for x in a.arms.split(",") if x.strip()]
     bad = [x for x in a.arms if x not in bl.KNOWN_ARMS or x == "S"]
     if bad or not a.arms:

@@ -22,7 +22,8 @@ import sys
 def train_parser(prog: str = "fastrehearse train") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Train a tool-use agent by world rehearsal "
                                 "(SFT warm-up on gold trajectories, then role-wise GRPO).")
-    p.add_argument("--config", required=True, help="YAML file (see configs/)")
+    p.add_argument("--config", required=True,
+                   help="YAML file, or a packaged preset by name: demo, smoke, ... (configs/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key, e.g. --set optim.lr=1e-5 (repeatable)")
     g = p.add_mutually_exclusive_group()

@@ -114,6 +114,10 @@ def test_wheel_requires_only_torch_and_triton(fresh_venv):
     lic = _run(py, "import importlib.metadata as m; d = m.distribution('fastrehearse'); "
                    "print(d.metadata['License']); print(any('LICENSE' in str(f) for f in d.files))")
     assert lic.stdout.split() == ["Apache-2.0", "True"], lic.stderr
+    urls = _run(py, "import importlib.metadata as m; d = m.distribution('fastrehearse').metadata; "
+                    "print(d['Home-page']); print(*d.get_all('Project-URL'), sep='\\n')")
+    assert urls.stdout.split("\n")[:2] == ["https://github.com/fastrehearse/fastrehearse",
+                                           "Source, https://github.com/fastrehearse/fastrehearse"], urls
     out = _run(py, "import importlib.metadata as m; print('\\n'.join(m.requires('fastrehearse')))")
     assert out.returncode == 0, out.stderr
     base = [Requirement(r) for r in out.stdout.split("\n") if r]

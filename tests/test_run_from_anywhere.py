@@ -70,3 +70,19 @@ def test_train_module_runs(installed, tmp_path, torchrun, where):
     out = _train(py, ROOT if where == "root" else tmp_path, tmp_path / "run", torchrun)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+PRESET = "from fastrehearse.train.config import resolve_config_path as r; print(r('smoke'))"
+
+
+def test_preset_name_with_the_wheel(installed, tmp_path):
+    """`--config smoke` finds the preset in the wheel's package data away from the repository,
+    and the top-level configs/ from its root (where the source folder shadows the package)."""
+    py, site = installed
+    away = subprocess.run([str(py), "-c", PRESET], cwd=tmp_path, capture_output=True, text=True)
+    assert away.returncode == 0, away.stderr[-2000:]
+    path = Path(away.stdout.strip())
+    assert str(path).startswith(str(site)) and path.read_bytes() == (ROOT / "configs/smoke.yaml").read_bytes()
+    root = subprocess.run([str(py), "-c", PRESET], cwd=ROOT, capture_output=True, text=True)
+    assert root.returncode == 0, root.stderr[-2000:]
+    assert Path(root.stdout.strip()) == ROOT / "configs" / "smoke.yaml"

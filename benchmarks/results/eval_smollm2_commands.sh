@@ -6,7 +6,7 @@
 # --set rollout.mode=hybrid).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PY="nice -n 19 .venv/bin/python benchmarks/bench_eval.py --threads 1"
+PY="nice -n 19 .venv/bin/python benchmarks/bench_eval.py --threads 1 --runs benchmarks/results/eval_runs"
 B=smollm2; R=runs/demo/export; H=runs/demo_hybrid/export
 SCRATCH=${SCRATCH:-/tmp/eval_smollm2_partial.json}   # per-invocation reports; the final one is step 7
 # 1. builtin EASY (the demo task distribution): N=0 with fidelity, all three models; drift rows (trained)
@@ -60,4 +60,4 @@ $PY --models $R --jobs tau2-s2 --limit-tau2 2 --json $SCRATCH
 # Not run (CPU budget): builtin-easy-s4 for the base; bfcl-multi-s2 / tau2-s2 for the base
 # 9. the report over every run directory (runs nothing new; explicit tags, so it needs no runs/)
 RT=smollm2-135m-demo-rehearse-trained=$R; HT=smollm2-135m-demo-hybrid-trained=$H
-$PY --models $B,$RT,$HT,$RR,$RH --report-only --notes benchmarks/results/eval_smollm2_notes.md
+$PY --models $B,$RT,$HT,$RR,$RH --report-only --notes benchmarks/results/eval_smollm2_notes.md --record

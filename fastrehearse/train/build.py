@@ -32,6 +32,7 @@ class TrainState:
     skipped_steps: int = 0
     rollout_failures: int = 0
     eval_before: dict | None = None
+    best: dict | None = None       # eval.every: {"step", "success", "checkpoint"} of the best eval so far
     scheduler: dict = field(default_factory=dict)
 
 

@@ -115,6 +115,7 @@ class Checkpointer:
         self.root = Path(run_dir) / "checkpoints"
         self.info = info
         self.keep = keep
+        self.pinned: Path | None = None    # never rotated away (eval.every's best checkpoint)
 
     # -- discovery ---------------------------------------------------------------------------
     def complete(self) -> list[Path]:
@@ -202,7 +203,8 @@ class Checkpointer:
         n = int(_NAME.match(newest.name).group(1))
         older = [p for p in self.complete() if int(_NAME.match(p.name).group(1)) < n]
         for old in older[:max(0, len(older) - (self.keep - 1))]:
-            shutil.rmtree(old, ignore_errors=True)
+            if self.pinned is None or old.resolve() != self.pinned.resolve():
+                shutil.rmtree(old, ignore_errors=True)
 
     def load(self, path: Path, model, optimizer) -> dict:
         """Collective. Restores model, optimizer and this rank's RNG; returns the trainer state."""

@@ -94,6 +94,9 @@ class EvalConfig:
     fidelity: bool = True           # extra rehearse-mode pass scoring rehearsed vs real responses
     before: bool = True
     after: bool = True
+    # Held-out eval every N optimizer steps (SFT steps count) as metrics rows (stage "eval"); the
+    # checkpoint with the best held-out success is kept and named in summary.json. 0: off.
+    every: int = 0
 
 
 @dataclass
@@ -435,7 +438,7 @@ def validate(cfg: TrainConfig, explicit: set | frozenset = frozenset()) -> Train
         positive(key, _get(cfg, key))
     for key in ("steps", "sft.steps", "sft.lr", "optim.grad_clip", "optim.warmup_steps",
                 "checkpoint.every", "algo.loss.kl_coef", "algo.loss.clip_low", "algo.loss.clip_high",
-                "log.plot_every", "eval.num_tasks", "eval.temperature", "optim.weight_decay",
+                "log.plot_every", "eval.num_tasks", "eval.temperature", "eval.every", "optim.weight_decay",
                 "optim.eps", "optim.min_lr_ratio", "env.max_train_tasks"):
         if _get(cfg, key) is not None:
             positive(key, _get(cfg, key), zero_ok=True)
@@ -443,6 +446,9 @@ def validate(cfg: TrainConfig, explicit: set | frozenset = frozenset()) -> Train
         raise ConfigError(f"config key 'sft.lr' must be > 0 when sft.steps > 0 (got 0 with "
                           f"sft.steps={cfg.sft.steps}): the warm-up would train nothing")
     positive("checkpoint.keep", cfg.checkpoint.keep)
+    if cfg.eval.every and not cfg.eval.num_tasks:
+        raise ConfigError(f"config key 'eval.every' = {cfg.eval.every} needs held-out tasks: "
+                          f"eval.num_tasks is 0")
     if cfg.model.options != TinyModelOptions() and not cfg.model.spec.startswith("tiny-"):
         raise ConfigError(f"config key 'model.options' is only used with tiny-* models, got "
                           f"{dataclasses.asdict(cfg.model.options)} for model.spec={cfg.model.spec!r}")
@@ -571,13 +577,47 @@ def _get(cfg, dotted: str):
     return cfg
 
 
+def _preset_dirs() -> list[Path]:
+    """Where the packaged presets are: the installed `fastrehearse.configs` (package data of a wheel
+    or an editable install), else a source checkout's top-level configs/ (run from its root, the
+    source folder shadows the installed package and has no `configs` subpackage)."""
+    from importlib import resources
+    dirs = []
+    try:
+        dirs.append(Path(str(resources.files("fastrehearse.configs"))))
+    except ModuleNotFoundError:
+        pass
+    src = Path(__file__).resolve().parents[2] / "configs"
+    if src.is_dir() and src not in dirs:
+        dirs.append(src)
+    return dirs
+
+
+def preset_names() -> list[str]:
+    return sorted({p.stem for d in _preset_dirs() for p in d.glob("*.yaml")})
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A YAML file, or the name of a packaged preset (`smoke`, `demo.yaml`, ...) when no file of
+    that name exists here: `--config smoke` works from any folder and with a wheel install."""
+    p = Path(path)
+    if p.is_file() or len(p.parts) != 1:
+        return p
+    name = p.name[:-len(".yaml")] if p.name.endswith(".yaml") else p.name
+    for d in _preset_dirs():
+        if (d / f"{name}.yaml").is_file():
+            return d / f"{name}.yaml"
+    return p
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """YAML file (or defaults when path is None) + `key=value` overrides, checked."""
+    """YAML file or packaged preset name (or defaults when path is None) + `key=value` overrides, checked."""
     data: dict = {}
     if path is not None:
-        p = Path(path)
+        p = resolve_config_path(path)
         if not p.is_file():
-            raise ConfigError(f"config file not found: {str(p)!r}")
+            hint = (f" (nor a packaged preset: {', '.join(preset_names())})" if len(p.parts) == 1 else "")
+            raise ConfigError(f"config file not found: {str(p)!r}{hint}")
         try:
             text = p.read_bytes().decode("utf-8")
         except UnicodeDecodeError:

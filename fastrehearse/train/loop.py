@@ -120,6 +120,8 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, overwrite: bool) -> d
             apply_optim_settings(run)
             sync_generation_weights(run)
             resumed_at = run.state.step
+            if run.state.best:
+                ckpt.pinned = Path(run.state.best["checkpoint"])
             run.logger.write(f"resumed from {path} (step {run.state.step}); lr now "
                              f"{run.scheduler.get_last_lr()[0]:.4g}")
             note = ckpt.numerics_note(path)
@@ -134,6 +136,7 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, overwrite: bool) -> d
     sft_steps, total = cfg.sft.steps, cfg.sft.steps + cfg.steps
     run.logger.set_progress(run.state.step, total=total)
 
+    saved_at = None
     while run.state.step < total:
         step = run.state.step
         if step < sft_steps:
@@ -147,27 +150,36 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, overwrite: bool) -> d
         row.update(step=run.state.step, lr=run.scheduler.get_last_lr()[0])
         run.logger.log(row)
         stop = _agree_to_stop(run)
+        new_best = False
+        if not stop and cfg.eval.every and run.state.step % cfg.eval.every == 0:
+            with phase("eval"):
+                new_best = periodic_eval(run, ckpt)
         every = cfg.checkpoint.every
-        if stop or (every and run.state.step >= sft_steps and run.state.step % every == 0):
+        if stop or new_best or (every and run.state.step >= sft_steps and run.state.step % every == 0):
             with phase("checkpoint"):
                 save_checkpoint(run, ckpt)
+            saved_at = run.state.step
         if stop:
             run.logger.write(f"SIGTERM: checkpoint saved at step {run.state.step}; exiting")
             run.logger.close()
             return {"interrupted": True, "step": run.state.step}
 
-    if cfg.checkpoint.at_end and not (cfg.checkpoint.every and run.state.step % cfg.checkpoint.every == 0
-                                      and run.state.step >= sft_steps):
+    if cfg.checkpoint.at_end and saved_at != run.state.step and not (
+            cfg.checkpoint.every and run.state.step % cfg.checkpoint.every == 0 and run.state.step >= sft_steps):
         with phase("checkpoint"):
             save_checkpoint(run, ckpt)
     with phase("eval"):
         after = evaluate(run, tag="after") if cfg.eval.after else {}
+    last = ckpt.latest()
+    if (cfg.eval.every and after and last is not None and last.name == f"step_{run.state.step:08d}"
+            and (run.state.best is None or after["success"] > run.state.best["success"])):
+        run.state.best = {"step": run.state.step, "success": after["success"], "checkpoint": str(last)}
     export_dir = None
     if cfg.checkpoint.export:
         with phase("export"):
             export_dir = export_hf(run.policy, run.hf_model, run.tokenizer, Path(cfg.run_dir) / "export",
                                    info)
-    summary = _summary(run, after, time.perf_counter() - t_start, export_dir)
+    summary = _summary(run, after, time.perf_counter() - t_start, export_dir, last)
     run.logger.close()
     if info.is_main:
         final_table(summary, cfg.run_dir)
@@ -237,6 +249,23 @@ def sft_step(run: Run) -> dict:
 
 
 
+def periodic_eval(run: Run, ckpt: Checkpointer) -> bool:
+    """eval.every: the held-out eval now (all ranks, as the final one), one metrics row (stage
+    "eval"); True when its success beats every earlier one (strictly), which makes this step's
+    checkpoint the best: recorded in the state and pinned against rotation (the caller saves it)."""
+    st = run.state
+    res = evaluate(run, tag=f"step {st.step}")
+    run.logger.log({"stage": "eval", "step": st.step, "eval_success": res["success"],
+                    "eval_fidelity": res["fidelity"], "eval_n": res["n"], "eval_errors": res["errors"],
+                    "eval_s": res["seconds"]}, advance=False)
+    if st.best is not None and not res["success"] > st.best["success"]:
+        return False
+    st.best = {"step": st.step, "success": res["success"],
+               "checkpoint": str(ckpt.root / f"step_{st.step:08d}")}
+    ckpt.pinned = Path(st.best["checkpoint"])
+    return True
+
+
 def save_checkpoint(run: Run, ckpt: Checkpointer) -> None:
     run.state.scheduler = run.scheduler.state_dict()
     state = {k: getattr(run.state, k) for k in TrainState.__dataclass_fields__}
@@ -266,7 +295,7 @@ def _agree_to_stop(run: Run) -> bool:
     return any_rank(run.stop_requested, run.info)
 
 
-def _summary(run: Run, after: dict, wall_s: float, export_dir) -> dict:
+def _summary(run: Run, after: dict, wall_s: float, export_dir, last_checkpoint=None) -> dict:
     before = run.state.eval_before or {}
     rows = [r for r in run.logger.rows if r.get("stage") == "rl"] if run.info.is_main else []
     tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
@@ -283,4 +312,7 @@ def _summary(run: Run, after: dict, wall_s: float, export_dir) -> dict:
         "backend": run.cfg.rollout.backend, "backend_startup_s": run.backend_startup_s,
         "weight_sync_route": weight_sync_route(run),
         "export_dir": str(export_dir) if export_dir else None,
+        "last_checkpoint": str(last_checkpoint) if last_checkpoint else None,
+        # eval.every: the checkpoint whose held-out success was the best (step, success, path)
+        "best_checkpoint": run.state.best,
     }

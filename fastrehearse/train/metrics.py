@@ -19,6 +19,7 @@ from .errors import DiskFullError, TrainingError, is_disk_full
 
 PLOTTED = [("reward", "reward (task success)"), ("fidelity", "world-model fidelity"),
            ("loss", "loss"), ("tokens_per_s", "train tokens / s")]
+EVAL_PLOTTED = ("eval_success", "held-out success (eval.every)")
 
 
 def _finite(x) -> bool:
@@ -108,7 +109,8 @@ class MetricsLogger:
         self.bar.n = n
         self.bar.refresh()
 
-    def log(self, row: dict) -> None:
+    def log(self, row: dict, *, advance: bool = True) -> None:
+        """Append a row; advance: it is an optimizer step's row (moves the progress bar)."""
         if not self.enabled:
             return
         row = {"time": round(time.time(), 3), **row}
@@ -128,7 +130,8 @@ class MetricsLogger:
             post = {k: f"{row[k]:.3g}" for k in ("reward", "fidelity", "loss", "tokens_per_s")
                     if _finite(row.get(k))}
             self.bar.set_postfix(post, refresh=False)
-            self.bar.update(1)
+            if advance:
+                self.bar.update(1)
         if self.tb is not None:
             self._view("tensorboard", self._tb_row, row, step)
         if self.wandb is not None:
@@ -170,9 +173,10 @@ class MetricsLogger:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, axes = plt.subplots(1, len(PLOTTED), figsize=(4.2 * len(PLOTTED), 3.2))
-        for ax, (key, title) in zip(axes, PLOTTED):
-            for stage, style in (("sft", "--"), ("rl", "-")):
+        plotted = PLOTTED + ([EVAL_PLOTTED] if any(r.get("stage") == "eval" for r in self.rows) else [])
+        fig, axes = plt.subplots(1, len(plotted), figsize=(4.2 * len(plotted), 3.2))
+        for ax, (key, title) in zip(axes, plotted):
+            for stage, style in (("sft", "--"), ("rl", "-"), ("eval", ":")):
                 pts = {}   # last value per step (a resumed run may repeat steps)
                 for r in self.rows:
                     if r.get("stage", "rl") == stage and _finite(r.get(key)):
