@@ -30,7 +30,7 @@ from fastrehearse.algo import AdvantageConfig, compute_advantages
 from fastrehearse.rollout.vllm_backend import close_shared
 
 from . import failures
-from .build import Run, TrainState, apply_optim_settings, setup
+from .build import apply_optim_settings, setup
 from .checkpoint import Checkpointer
 from .config import TrainConfig, warnings_for
 from .errors import DiskFullError, TrainingError
@@ -56,6 +56,7 @@ from .rollouts import (
     weight_sync_route,
 )
 from .run_dir import prepare_run_dir, write_run_config
+from .state import Run, TrainState
 from .tasks import check_prompt_lengths, gold_episode, next_tasks, step_seed
 from .update import policy_update, skip_step
 

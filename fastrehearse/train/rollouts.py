@@ -12,7 +12,7 @@ from fastrehearse.rollout.engine import RolloutEngine
 from fastrehearse.rollout.policy import ModelPolicy
 from fastrehearse.rollout.vllm_backend import VLLMStartError, shared_backend
 
-from .build import Run
+from .state import Run
 from .errors import TrainingError
 from .model_init import serving_dtype, sync_generation_model
 from .parallelize import all_gather_object

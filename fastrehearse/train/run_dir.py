@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .build import Run
+from .state import Run
 from .checkpoint import Checkpointer
 from .config import (
     ConfigError,

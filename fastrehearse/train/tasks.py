@@ -2,8 +2,6 @@
 per-step seeds, and gold trajectories rendered as role-tagged episodes for the SFT warm-up."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from fastrehearse.data import Episode
@@ -12,9 +10,8 @@ from fastrehearse.kernels.roles import Role
 from fastrehearse.rollout.template import ChatTemplate
 
 from .config import ConfigError, TrainConfig
+from .state import Run
 
-if TYPE_CHECKING:   # build.py imports this module
-    from .build import Run
 
 def build_tasks(cfg: TrainConfig):
     """(suite, train tasks, eval tasks); a bad option or split, or an empty split, is a ConfigError

@@ -18,7 +18,7 @@ from fastrehearse.kernels import linear_logprobs
 from fastrehearse.kernels.roles import Role
 from fastrehearse.packing import pack
 
-from .build import Run
+from .state import Run
 from .checkpoint import Checkpointer
 from .config import TrainConfig
 from .errors import TrainingError
