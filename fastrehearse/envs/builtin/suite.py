@@ -18,7 +18,9 @@ from fastrehearse.envs.builtin.world import make_world
 
 SYSTEM_PROMPT = ("You are a helpful assistant with access to tools. Use the tools to look up what you "
                  "need or to make changes; then reply to the user with a short final answer.")
-LEVEL_PRESETS = {"easy": (0,), "mixed": (1, 2, 3), "all": (0, 1, 2, 3), "hard": (3,)}
+# "rules" (level 4) is the family whose responses follow documented rules (tasks.py); "all" keeps
+# its levels 0-3 so runs that named it see the same tasks as before.
+LEVEL_PRESETS = {"easy": (0,), "mixed": (1, 2, 3), "all": (0, 1, 2, 3), "hard": (3,), "rules": (4,)}
 TOOL_MODES = ("auto", "task", "domain", "all")
 SPLITS = ("train", "test")
 _DOMAIN_OF = {t: d for d, ts in DOMAINS.items() for t in ts}
@@ -88,7 +90,8 @@ class BuiltinSuite(Suite):
     """Seeded, procedurally generated multi-step tool-use tasks.
 
     level: "easy" (= 0: one spelled-out call; success = that call was made), "mixed" (= 1,2,3,
-        default), "all", "hard" (= 3), an int 0-3, or a list of ints. Tasks rotate over the levels.
+        default), "all" (= 0-3), "hard" (= 3), "rules" (= 4: responses predictable from the episode
+        and the documented rules, envs/builtin/rules.py), an int 0-4, or a list of ints. Tasks rotate over the levels.
         A string level may end in "@FAMILY" (only that tool family's tasks, e.g. "mixed@calendar")
         or "@-FAMILY" (every family but that one, tools included: "mixed@-calendar"): a held-out
         tool family for training on one and testing on the other (docs/learning.md).
@@ -96,7 +99,7 @@ class BuiltinSuite(Suite):
         tasks are generated on demand and cached).
     tools: which tool schemas the model sees: "auto" (the task's domain tools, e.g. all 3 account
         tools; at level 0 only the named tool), "task" (only the tools the gold solution uses: the
-        shortest prompts), "domain" (domain tools at every level), or "all" (all 15 tools).
+        shortest prompts), "domain" (domain tools at every level), or "all" (every tool).
     easy_answer: level 0 also requires the final answer to state the tool's result.
     seed: shifts the whole task set; splits stay disjoint for every seed.
     """
