@@ -231,7 +231,9 @@ def episode_answer_spec(spec: dict, exchanges: list[Exchange]) -> dict | None:
     return None
 
 
-def score_consistent(payload: dict, trajectory: Trajectory) -> float:
+def score_consistent(payload: dict, trajectory: Trajectory, check_rules: bool = True) -> float:
+    """The `consistent` score (module docstring); check_rules False: without the rules check (a
+    scrambled world, envs/scramble.py, breaks the rules by construction)."""
     exchanges = exchanges_of(trajectory.messages)[:MAX_SCORED_CALLS]
     done = [ex for ex in exchanges if not is_error_response(ex.content)]
     made = [(ex.name, ex.arguments) for ex in done]
@@ -244,7 +246,7 @@ def score_consistent(payload: dict, trajectory: Trajectory) -> float:
         idx = [i for i, (n, _) in enumerate(made) if n in WRITE_TOOLS]
         if len(idx) != len(gold_writes) or not calls_match(gold_writes, [made[i] for i in idx], [seen[i] for i in idx]):
             return 0.0
-    if payload.get("rules") and not rules.follows_rules(exchanges):
+    if check_rules and payload.get("rules") and not rules.follows_rules(exchanges):
         return 0.0
     if "answer" in checks and payload["answer"] is not None:
         spec = episode_answer_spec(payload["answer"], exchanges_of(trajectory.messages))

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from fastrehearse.envs.base import ResetResult, Suite, Task, ToolCall, ToolEnv, ToolResult, Trajectory
 from fastrehearse.envs.builtin import scoring
-from fastrehearse.envs.builtin.tasks import TEMPLATES, generate
+from fastrehearse.envs.builtin.tasks import RULES_LEVEL, TEMPLATES, generate
 from fastrehearse.envs.builtin.tools import DOMAINS, RESPONSES, SCHEMAS, dumps, execute
 from fastrehearse.envs.builtin.world import make_world
 
@@ -35,8 +35,12 @@ def parse_level_spec(level: int | str | Sequence[int]) -> tuple[tuple[int, ...],
     if name not in DOMAINS:
         raise ValueError(f"level={level!r}: after '@' expected a tool family (or '-' and one) from "
                          f"{sorted(DOMAINS)}, got {fam!r}")
-    families = frozenset(DOMAINS) - {name} if fam.startswith("-") else frozenset({name})
-    return parse_levels(base), families
+    levels = parse_levels(base)
+    # The ledger tools exist for the rules family only: "easy@-accounts" keeps meaning (and naming
+    # its task ids after) the four families of levels 0-3.
+    every = frozenset(DOMAINS) - (frozenset() if RULES_LEVEL in levels else {"ledger"})
+    families = every - {name} if fam.startswith("-") else frozenset({name})
+    return levels, families
 
 
 def parse_levels(level: int | str | Sequence[int]) -> tuple[int, ...]:
@@ -102,11 +106,15 @@ class BuiltinSuite(Suite):
         shortest prompts), "domain" (domain tools at every level), or "all" (every tool).
     easy_answer: level 0 also requires the final answer to state the tool's result.
     seed: shifts the whole task set; splits stay disjoint for every seed.
+    scramble: every environment is wrapped in `envs.scramble.ScrambleEnv` (the Cv control: the real
+        tools run, responses keep their schema and echoes, every other value is random; seeded by
+        the task id). The `consistent` reward then skips the rules check, which random content
+        breaks by construction, and grades calls, state and answer inside the scrambled episode.
     """
     name = "builtin"
 
     def __init__(self, level: int | str | Sequence[int] = "mixed", n_train: int = 2000, n_test: int = 300,
-                 tools: str = "auto", easy_answer: bool = False, seed: int = 0) -> None:
+                 tools: str = "auto", easy_answer: bool = False, seed: int = 0, scramble: bool = False) -> None:
         self.levels, self.families = parse_level_spec(level)
         for arg, v in (("n_train", n_train), ("n_test", n_test), ("seed", seed)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -114,7 +122,9 @@ class BuiltinSuite(Suite):
         if tools not in TOOL_MODES:
             raise ValueError(f"tools={tools!r}: expected one of {TOOL_MODES}")
         self.sizes = {"train": n_train, "test": n_test}
-        self.tool_mode, self.easy_answer, self.seed = tools, bool(easy_answer), seed
+        if not isinstance(scramble, bool):
+            raise ValueError(f"scramble={scramble!r}: expected true or false")
+        self.tool_mode, self.easy_answer, self.seed, self.scramble = tools, bool(easy_answer), seed, scramble
         self._cache: dict[tuple[str, int], Task] = {}
 
     def task(self, split: str, i: int) -> Task:
@@ -150,7 +160,10 @@ class BuiltinSuite(Suite):
             raise ValueError(f"limit={limit!r}: expected an int >= 0 or None")
         return [self.task(split, i) for i in range(n)]
 
-    def make_env(self) -> BuiltinEnv:
+    def make_env(self) -> ToolEnv:
+        if self.scramble:
+            from fastrehearse.envs.scramble import ScrambleEnv
+            return ScrambleEnv(BuiltinEnv(), seed=self.seed)
         return BuiltinEnv()
 
     # Training rewards (envs/builtin/scoring.py): "calls" drops the answer check, "consistent"
@@ -160,6 +173,8 @@ class BuiltinSuite(Suite):
     def task_reward(self, task: Task, trajectory: Trajectory, mode: str) -> float:
         if mode not in self.reward_modes:
             return super().task_reward(task, trajectory, mode)
+        if mode == "consistent" and self.scramble:
+            return scoring.score_consistent(task.payload, trajectory, check_rules=False)
         return scoring.score(task.payload, trajectory, mode)
 
     def response_spec(self, tool: str) -> dict | None:
