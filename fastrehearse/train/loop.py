@@ -222,6 +222,8 @@ def sft_step(run: Run) -> dict:
     """One CE step on gold trajectories (every rank builds the same global list; packing splits
     it). Gold tool responses are real ones: role OBSERVED, the world model's supervised target."""
     cfg = run.cfg
+    if cfg.sft.source == "own_rehearsals":
+        return own_rehearsals_step(run)
     gold = [t for t in run.train_tasks if t.gold]   # non-empty: checked by build_tasks before loading
     tasks = next_tasks(gold, run.state.sft_cursor, cfg.sft.tasks_per_step, cfg.seed + 1)
     run.state.sft_cursor += cfg.sft.tasks_per_step
@@ -232,6 +234,39 @@ def sft_step(run: Run) -> dict:
         row["weight_sync_s"] = sync_generation_weights(run)
     return row
 
+
+
+def own_rehearsals_step(run: Run) -> dict:
+    """sft.source own_rehearsals (rejection-sampling SFT, the Sr control): the RL step's rollout
+    (same task stream, cursor and step seed), then CE on the ACT and REHEARSE tokens of the episodes
+    whose env.reward (consistent, checked by the config) is 1."""
+    cfg, info, st = run.cfg, run.info, run.state
+    tasks = next_tasks(run.train_tasks, st.rl_cursor, cfg.rollout.tasks_per_step, cfg.seed)
+    st.rl_cursor += cfg.rollout.tasks_per_step
+    mine = tasks[info.rank::info.world_size]
+    t0 = time.perf_counter()
+    with phase("rollout"):
+        episodes, rmetrics, n_failed = rollout(run, mine, mode=cfg.rollout.mode,
+                                               temperature=cfg.rollout.temperature,
+                                               seed=step_seed(cfg.seed, st.step, info.rank),
+                                               group_size=cfg.rollout.group_size,
+                                               measure_fidelity=cfg.rollout.measure_fidelity)
+        rollout_s = time.perf_counter() - t0
+        gathered = all_gather_object(([slim_episode(e) for e in episodes], rmetrics, n_failed), info)
+    episodes = [e for eps, _, _ in gathered for e in eps]
+    n_failed = sum(f for _, _, f in gathered)
+    st.rollout_failures += n_failed
+    row = {"stage": "sft", "source": "own_rehearsals", "rollout_failures": n_failed, "rollout_s": round(rollout_s, 3)}
+    row.update(rollout_row(episodes, [m for _, m, _ in gathered], rollout_s))
+    kept = [e for e in episodes if e.reward >= 1.0]
+    row["kept_episodes"], row["kept_frac"] = len(kept), len(kept) / max(1, len(episodes))
+    if len(kept) < info.world_size:   # packing needs one episode per rank
+        return skip_step(run, row, reason=f"{len(kept)} of {len(episodes)} own rehearsed episodes pass "
+                                          f"{cfg.env.reward!r}: nothing to train on")
+    with phase("update"):
+        row.update(policy_update(run, kept, stage="sft"))
+        row["weight_sync_s"] = sync_generation_weights(run)
+    return row
 
 
 def save_checkpoint(run: Run, ckpt: Checkpointer) -> None:
