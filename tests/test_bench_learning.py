@@ -132,6 +132,17 @@ def test_seeds_and_no_drift_options(tmp_path):
     assert len(train) == 1 + 3 and "--drift" not in r.stdout
 
 
+def test_v4_control_arms_plan(tmp_path):
+    r = _bench("--dry-run", "--runs", str(tmp_path / "r"), "--arms", "Cv,Sr", "--seeds", "Cv=1,Sr=1", "--no-drift")
+    assert r.returncode == 0, r.stderr
+    train = [ln for ln in r.stdout.splitlines() if " fastrehearse train " in f" {ln} "]
+    cv = next(ln for ln in train if "Cv-s0" in ln)
+    sr = next(ln for ln in train if "Sr-s0" in ln)
+    assert "env.options.scramble=true" in cv and "env.reward=consistent" in cv and "rollout.mode=real" in cv
+    assert "sft.source=own_rehearsals" in sr and "--set steps=0" in sr and "rollout.mode=rehearse" in sr
+    assert "sft.tasks_per_step" not in sr   # its steps sample rollout.tasks_per_step x group_size
+
+
 def test_contrast_intervals_hand_computed():
     sys.path.insert(0, str(BENCH.parent))
     import learning_stats as ls

@@ -467,7 +467,7 @@ def list_then_count(w, rng, s):
         s.call("add_to_list", list_name=name, item=item)
     r = s.call("get_list", list_name=name)
     s.answer(f"Your '{name}' list now has {len(r['items'])} items: {', '.join(r['items'])}.")
-    return Draft(f"Add {', '.join(items[:-1])} and {items[-1]} to my '{name}' list, one item per call, then "
+    return Draft(f"Add {', '.join(items[:-1])} and {items[-1]} to my '{name}' list in this order, one item per call, then "
                  f"read the list back and tell me how many items it has.",
                  number(len(r["items"]), answer_at("get_list", "items", "#len"), answer_at("add_to_list", "count")),
                  ("list_then_count", name, tuple(sorted(items))), _domains("ledger"))
