@@ -170,3 +170,26 @@ def test_field_labels_and_fidelity_split():
         "predictable": 1.0, "hidden": 0.0}
     assert rules.fidelity_by_label([], ex[0].name, ex[0].arguments, None, ex[0].content) == {
         "predictable": 0.0, "hidden": 0.0}
+
+
+def test_engine_fidelity_split_by_label_on_a_rehearsed_episode():
+    """The engine's measured fidelity carries predictable / hidden shares for builtin rehearsals."""
+    from fastrehearse.envs.base import ToolCall
+    from fastrehearse.envs.builtin import BuiltinEnv
+    from fastrehearse.eval.harness import _fidelity
+    from fastrehearse.rollout.fidelity import FidelityScore, aggregate
+    t = _task("deposit_and_confirm")
+    env = BuiltinEnv()
+    env.reset(t)
+    msgs = t.gold[:4]                       # get_balance and deposit exchanged; the next call's turn
+    call = ToolCall(name="get_balance", arguments=t.gold[4]["tool_calls"][0]["function"]["arguments"])
+    real = t.gold[5]["content"]
+    lab = env.fidelity_by_label(msgs + [t.gold[4]], call, real, real)
+    assert lab == {"predictable": 1.0, "hidden": 1.0}
+    wrong = json.dumps(dict(json.loads(real), balance=1.0))
+    assert env.fidelity_by_label(msgs + [t.gold[4]], call, wrong, real) == {"predictable": 0.5, "hidden": 1.0}
+    agg = aggregate([FidelityScore("get_balance", 0.0, 0.5, 0.5, 1.0), FidelityScore("get_balance", 1.0, 1.0)])
+    assert agg["predictable"] == 0.5 and agg["n_predictable"] == 1 and agg["field_f1"] == 0.75
+    assert _fidelity([{"exact": 1.0, "field_f1": 1.0, "predictable": 0.5, "hidden": None},
+                      {"exact": 0.0, "field_f1": 0.0, "predictable": None, "hidden": None}]) == {
+        "exact": 0.5, "field_f1": 0.5, "calls": 2.0, "predictable": 0.5}

@@ -89,6 +89,13 @@ class BuiltinEnv(ToolEnv):
     def score(self, task: Task, trajectory: Trajectory) -> float:
         return scoring.score(task.payload, trajectory)
 
+    def fidelity_by_label(self, messages: list[dict], call: ToolCall, rehearsed: str, real: str) -> dict:
+        """Rehearsal fidelity on the predictable and the hidden fields of `real`, given the
+        episode's messages before the call (envs/builtin/rules.py)."""
+        from fastrehearse.envs.builtin.rules import fidelity_by_label
+        from fastrehearse.envs.replay import exchanges_of
+        return fidelity_by_label(exchanges_of(messages), call.name, call.arguments, rehearsed, real)
+
 
 class BuiltinSuite(Suite):
     """Seeded, procedurally generated multi-step tool-use tasks.
