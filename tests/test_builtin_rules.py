@@ -137,9 +137,10 @@ def test_consistent_pays_invented_ids_at_level_2_and_checks_them_against_the_epi
     suite = BuiltinSuite(level=2)
     t = next(t for t in suite.tasks("train", 10) if t.payload["template"] == "balance_by_owner")
     req = t.payload["required_calls"]
-    assert req[1]["sources"] == {"account_id": {"tool": "find_accounts", "key": "account_id"}}
     owner = req[0]["arguments"]["owner"]
     typ = "savings" if "savings" in t.payload["prompt"] else "checking"
+    assert req[1]["sources"] == {"account_id": {"tool": "find_accounts", "key": "account_id",
+                                                "args": {"owner": owner}, "with": {"type": typ}}}
 
     def episode(listed_id: str, called_id: str) -> Trajectory:
         return Trajectory(messages=[
@@ -193,3 +194,33 @@ def test_engine_fidelity_split_by_label_on_a_rehearsed_episode():
     assert _fidelity([{"exact": 1.0, "field_f1": 1.0, "predictable": 0.5, "hidden": None},
                       {"exact": 0.0, "field_f1": 0.0, "predictable": None, "hidden": None}]) == {
         "exact": 0.5, "field_f1": 0.5, "calls": 2.0, "predictable": 0.5}
+
+
+def test_consistent_traces_ids_to_the_right_call_and_item():
+    """A rehearsed world with invented ids: the transfer must debit the id listed for the request's
+    first owner with the request's account type, and credit the second one's."""
+    t = next(t for t in BuiltinSuite(level=3).tasks("train", 40) if t.payload["template"] == "transfer_between_owners")
+    src = t.payload["required_calls"][2]["sources"]
+    owners = [src["from_account_id"]["args"]["owner"], src["to_account_id"]["args"]["owner"]]
+    types = [src["from_account_id"]["with"]["type"], src["to_account_id"]["with"]["type"]]
+    other = {"checking": "savings", "savings": "checking"}
+    amount = t.payload["required_calls"][2]["arguments"]["amount"]
+
+    def episode(frm: str, to: str) -> Trajectory:
+        lists = [{"owner": o, "accounts": [{"account_id": f"AC{11 + 11 * i}00", "type": ty},
+                                           {"account_id": f"AC{11 + 11 * i}99", "type": other[ty]}]}
+                 for i, (o, ty) in enumerate(zip(owners, types))]
+        return Trajectory(messages=[
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "find_accounts", "arguments": {"owner": o}}} for o in owners]},
+            *({"role": "tool", "content": json.dumps(x), "rehearsed": True} for x in lists),
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+                "name": "transfer", "arguments": {"from_account_id": frm, "to_account_id": to, "amount": amount}}}]},
+            {"role": "tool", "content": json.dumps({"transfer_id": "TR1", "amount": amount, "from_balance": 5.0,
+                                                    "to_balance": 9.0}), "rehearsed": True},
+            {"role": "assistant", "content": "Done; the new balance is 5.00 USD."}])
+
+    assert scoring.score(t.payload, episode("AC1100", "AC2200"), "consistent") == 1.0
+    assert scoring.score(t.payload, episode("AC2200", "AC1100"), "consistent") == 0.0   # owners swapped
+    assert scoring.score(t.payload, episode("AC1199", "AC2200"), "consistent") == 0.0   # the other account type
+    assert scoring.score(t.payload, episode("AC9999", "AC2200"), "consistent") == 0.0   # never listed

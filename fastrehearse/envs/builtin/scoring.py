@@ -23,7 +23,9 @@ hidden value of the real world is read; only the task's gold calls, which are an
           is not an error object: same name, and each argument equal to the gold's (same matching)
           -- except an argument the gold copied from an earlier response (tasks.py "sources": an id
           found by find_accounts, an amount from exchange), which must instead equal a value under
-          that key in an earlier non-error response of that tool *in this episode*;
+          that key in an earlier non-error response *in this episode* of that tool called with the
+          source call's request-stated arguments (find_accounts of *that* owner), in an object
+          whose request-stated fields beside it agree (the account of type "savings");
   state   the write calls (WRITE_TOOLS) whose response in this episode is not an error equal the
           gold's write calls one to one (no missing, no extra: the world-free analogue of the
           state digest);
@@ -47,7 +49,7 @@ from typing import Any
 
 from fastrehearse.envs.base import Trajectory
 from fastrehearse.envs.builtin import rules
-from fastrehearse.envs.builtin.tasks import _leaves
+from fastrehearse.envs.builtin.tasks import dicts_in
 from fastrehearse.envs.builtin.tools import execute
 from fastrehearse.envs.builtin.world import make_world, state_digest
 from fastrehearse.envs.replay import Exchange, exchanges_of, final_answer_of, tool_calls_of
@@ -129,15 +131,17 @@ def _same(gold: Any, got: Any) -> bool:
 def calls_match(required: list[dict], made: list[tuple[str, dict]], seen: list[list] | None = None) -> bool:
     """Each required call matches a distinct made call. `seen` (consistent mode): for made call i, the
     (tool, parsed response) pairs of the episode before it; then an argument with a gold "source"
-    must equal a value under that key in an earlier response of that tool, not the gold value."""
+    must come from an earlier response as the source says (module docstring), not equal the gold."""
     left = list(range(len(made)))
 
     def arg_ok(req: dict, k: str, v, args: dict, i: int) -> bool:
         src = (req.get("sources") or {}).get(k) if seen is not None else None
         if src is None:
             return _same(v, args[k])
-        return any(_same(leaf, args[k]) for tool, resp in seen[i] if tool == src["tool"]
-                   for key, leaf in _leaves(resp) if key == src["key"])
+        return any(_same(d[src["key"]], args[k]) and all(_same(x, d.get(f)) for f, x in src["with"].items())
+                   for tool, a, resp in seen[i] if tool == src["tool"] and isinstance(a, dict)
+                   and all(f in a and _same(x, a[f]) for f, x in src["args"].items())
+                   for d in dicts_in(resp) if src["key"] in d)
 
     for req in required:
         hit = next((j for j, i in enumerate(left) if made[i][0] == req["name"] and isinstance(made[i][1], dict)
@@ -237,7 +241,7 @@ def score_consistent(payload: dict, trajectory: Trajectory, check_rules: bool = 
     exchanges = exchanges_of(trajectory.messages)[:MAX_SCORED_CALLS]
     done = [ex for ex in exchanges if not is_error_response(ex.content)]
     made = [(ex.name, ex.arguments) for ex in done]
-    seen = [[(ex.name, _load(ex.content)) for ex in done[:i]] for i in range(len(done))]
+    seen = [[(ex.name, ex.arguments, _load(ex.content)) for ex in done[:i]] for i in range(len(done))]
     checks = payload["checks"]
     if "calls" in checks and not calls_match(payload["required_calls"], made, seen):
         return 0.0

@@ -15,7 +15,9 @@ Levels
 
 Argument provenance: a required call's argument that the request does not state but an earlier gold
 response returned (an account id from find_accounts, a converted amount) is recorded with where it
-came from (`required_calls[i]["sources"][arg] = {"tool", "key"}`), so the `consistent` reward checks
+came from (`required_calls[i]["sources"][arg] = {"tool", "key", "args", "with"}`: the tool, the
+response key, the source call's arguments that the request states, and the fields beside the value
+whose gold values the request states, e.g. `"type": "savings"`), so the `consistent` reward checks
 it against the episode's own earlier responses instead of the real world's hidden id.
 
 Splits are disjoint twice over: train worlds use even seeds and test worlds odd seeds, and each task's
@@ -88,6 +90,7 @@ class Script:
         self.world = world
         self.messages: list[dict] = []
         self.required: list[dict] = []
+        self.exchanges: list[tuple[str, dict, Any]] = []   # (tool, arguments, parsed response)
         self.n_calls = 0
 
     def call(self, tool: str, /, required: bool = True, **args: Any) -> dict:
@@ -97,12 +100,13 @@ class Script:
         self.messages.append({"role": "assistant", "content": "", "tool_calls": [
             {"type": "function", "function": {"name": n, "arguments": dict(a)}} for n, a in calls]})
         outs = []
-        earlier = [(m["name"], json.loads(m["content"])) for m in self.messages if m["role"] == "tool"]
+        earlier = list(self.exchanges)
         for name, args in calls:
             res = execute(self.world, name, args)
             if not res.ok:
                 raise GoldError(f"gold call {name}({args}) failed: {res.content}")
             self.messages.append({"role": "tool", "name": name, "content": res.content})
+            self.exchanges.append((name, dict(args), json.loads(res.content)))
             if required:
                 req = {"name": name, "arguments": dict(args)}
                 cands = {k: src for k, v in args.items() if (src := _source_of(v, earlier)) is not None}
@@ -132,19 +136,35 @@ def _leaves(value: Any, key: str | None = None):
         yield key, value
 
 
-def _source_of(value: Any, earlier: list[tuple[str, Any]]) -> dict | None:
-    """Where an argument value came from: the latest earlier response (tool, key) holding it. Only
-    ids, dates and non-integer numbers are traced (a time or a small count equal to some response
-    leaf is a coincidence more often than a copy)."""
+def dicts_in(value: Any):
+    """Every JSON object inside a parsed response, the response itself included."""
+    if isinstance(value, dict):
+        yield value
+        for v in value.values():
+            yield from dicts_in(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from dicts_in(v)
+
+
+def _source_of(value: Any, earlier: list[tuple[str, dict, Any]]) -> dict | None:
+    """Where an argument value came from: the first exchange whose response holds it (its origin,
+    not a later echo of it such as an optional check_stock), as
+    {"tool", "key", "args" (that call's arguments), "with" (the scalar fields beside the value)};
+    `generate` keeps of args / with only what the request states. Only ids, dates and non-integer
+    numbers are traced (a time or a small count equal to some response leaf is a coincidence more
+    often than a copy)."""
     if isinstance(value, str):
         if not _ID_OR_DATE.match(value):
             return None
     elif not (isinstance(value, float) and not value.is_integer()):
         return None
-    for tool, resp in reversed(earlier):
-        for key, leaf in _leaves(resp):
-            if type(leaf) is type(value) and rules.same(value, leaf):
-                return {"tool": tool, "key": key}
+    for tool, args, resp in earlier:
+        for d in dicts_in(resp):
+            for key, leaf in d.items():
+                if type(leaf) is type(value) and rules.same(value, leaf):
+                    beside = {k: v for k, v in d.items() if k != key and isinstance(v, str)}
+                    return {"tool": tool, "key": key, "args": args, "with": beside}
     return None
 
 
@@ -566,8 +586,13 @@ def generate(split: str, level: int, index: int, suite_seed: int = 0,
         } <= families:
             continue
         for req in script.required:   # an argument the request states is not traced
-            src = {k: v for k, v in req.pop("sources", {}).items()
-                   if not _stated_in(req["arguments"][k], draft.prompt)}
+            src = {}
+            for k, v in req.pop("sources", {}).items():
+                if _stated_in(req["arguments"][k], draft.prompt):
+                    continue
+                stated = {a: x for a, x in v["args"].items() if _stated_in(x, draft.prompt)}
+                beside = {a: x for a, x in v["with"].items() if _stated_in(x, draft.prompt)}
+                src[k] = {"tool": v["tool"], "key": v["key"], "args": stated, "with": beside}
             if src:
                 req["sources"] = src
         return {"prompt": draft.prompt, "world_seed": world_seed, "level": level,
