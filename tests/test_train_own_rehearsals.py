@@ -36,9 +36,11 @@ def test_own_rehearsals_keeps_passing_episodes_and_trains_act_and_rehearse(tmp_p
         return row
     monkeypatch.setattr(loop, "policy_update", spy)
     cfg = load_config("configs/smoke.yaml", BASE + [f"run_dir={tmp_path / 'sr'}", "steps=0", "sft.steps=2",
-                                                     "sft.source=own_rehearsals"])
+                                                     "sft.source=own_rehearsals", "checkpoint.every=1"])
     loop.train(cfg)
     assert len(updates) == 2
+    # its steps sample rollouts like RL steps, so checkpoint.every applies to them
+    assert sorted(p.name for p in (tmp_path / "sr" / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
     for stage, rewards, row in updates:
         # 2 tasks x group 2 = 4 episodes, rewards 1, 0, 1, 0: the two passing ones are trained on
         assert stage == "sft" and rewards == [1.0, 1.0]

@@ -97,7 +97,7 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, overwrite: bool) -> d
     t_start = time.perf_counter()
     notes = prepare_run_dir(cfg, info, resume=resume, overwrite=overwrite)
     run = setup(cfg, info)
-    if cfg.steps > 0:
+    if cfg.steps > 0 or cfg.sft.source == "own_rehearsals":   # steps that sample rollouts
         notes += check_prompt_lengths(cfg, run.suite, run.train_tasks, run.tokenizer)
     for n in notes + warnings_for(cfg):
         run.logger.write(n)
@@ -130,6 +130,9 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, overwrite: bool) -> d
         with phase("eval"):
             run.state.eval_before = evaluate(run, tag="before")
     sft_steps, total = cfg.sft.steps, cfg.sft.steps + cfg.steps
+    # checkpoint.every counts from the first step that samples rollouts: an own_rehearsals run's
+    # SFT steps are as long as RL steps and as worth keeping
+    ckpt_from = 0 if cfg.sft.source == "own_rehearsals" else sft_steps
     run.logger.set_progress(run.state.step, total=total)
 
     while run.state.step < total:
@@ -146,7 +149,7 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, overwrite: bool) -> d
         run.logger.log(row)
         stop = _agree_to_stop(run)
         every = cfg.checkpoint.every
-        if stop or (every and run.state.step >= sft_steps and run.state.step % every == 0):
+        if stop or (every and run.state.step >= ckpt_from and run.state.step % every == 0):
             with phase("checkpoint"):
                 save_checkpoint(run, ckpt)
         if stop:
@@ -155,7 +158,7 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, overwrite: bool) -> d
             return {"interrupted": True, "step": run.state.step}
 
     if cfg.checkpoint.at_end and not (cfg.checkpoint.every and run.state.step % cfg.checkpoint.every == 0
-                                      and run.state.step >= sft_steps):
+                                      and run.state.step >= ckpt_from):
         with phase("checkpoint"):
             save_checkpoint(run, ckpt)
     with phase("eval"):
