@@ -87,7 +87,19 @@ ABLATIONS = {   # arm: (name, the arm it ablates, its extra --sets)
 }
 for _arm, (_name, _base, _sets) in ABLATIONS.items():   # later --set wins: the ablated term after the arm's own
     ARM_NAMES[_arm], ARM_SETS[_arm], DEFAULT_SEEDS[_arm] = _name, [*ARM_SETS[_base], *_sets], 1
-KNOWN_ARMS = (*ARMS, *ABLATIONS)
+# v4's controls (docs/learning.md, v4 pre-registration), run only when named (--arms R,Ca,Cv,Sr,S):
+# Cv acts on the real tools through a scrambled world (envs/scramble.py: schema and echoes kept,
+# every other value random), paid by `consistent`; Sr is rejection-sampling SFT on its own rehearsed
+# episodes that pass `consistent` (sft.source own_rehearsals: plan() gives it RL-like steps).
+CONTROLS = {
+    "Cv": ("real tools, scrambled content, consistent reward", ["rollout.mode=real", "env.options.scramble=true",
+                                                                "env.reward=consistent"]),
+    "Sr": ("SFT on own rehearsals passing consistent", ["rollout.mode=rehearse", "env.reward=consistent",
+                                                        "sft.source=own_rehearsals"]),
+}
+for _arm, (_name, _sets) in CONTROLS.items():
+    ARM_NAMES[_arm], ARM_SETS[_arm], DEFAULT_SEEDS[_arm] = _name, list(_sets), 4
+KNOWN_ARMS = (*ARMS, *ABLATIONS, *CONTROLS)
 # Every run, warm-up included: hold out `accounts` (EASY answers there are copies of a response
 # field, so 0% would say something about unseen tools) and a constant lr (v1's SFT-only had constant
 # 1e-4, RL a cosine from 5e-5: two changes at once).
@@ -241,7 +253,10 @@ def plan(a, cfg) -> dict:
                 continue
             d = a.runs / f"{arm}-s{seed}"
             steps = (["steps=0", f"sft.steps={a.steps}", f"sft.tasks_per_step={per_step}", f"sft.lr={cfg.optim.lr}"]
-                     if arm == "S" else ["sft.steps=0", f"steps={a.steps}"])
+                     if arm == "S" else
+                     # Sr: its SFT steps sample tasks_per_step x group_size episodes as an RL step does
+                     ["steps=0", f"sft.steps={a.steps}", f"sft.lr={cfg.optim.lr}"] if arm == "Sr" else
+                     ["sft.steps=0", f"steps={a.steps}"])
             sets = [f"model.spec={warm / 'export'}", f"seed={seed}", *steps, *ARM_SETS[arm]]
             runs[(arm, seed)] = {"run_dir": d, "train": train_cmd(a, d, sets), "total_steps": a.steps,
                                  "warmup": warm, "evals": eval_cmds(a, cfg, d / "export", d)}

@@ -242,7 +242,8 @@ def summary(xs: list) -> dict:
 
 
 def contrast(arms: dict, a: str, b: str, metric: str) -> dict | None:
-    """A - B on `metric`: Welch over seed means, paired bootstrap over seeds and items, the MDE."""
+    """A - B on `metric`: the permutation test over seed labels (primary), Welch over seed means,
+    paired bootstrap over seeds and items, the MDE."""
     if a not in arms or b not in arms:
         return None
     A = {s: r["items"][metric] for s, r in arms[a]["seeds"].items() if r["items"].get(metric)}
@@ -254,8 +255,9 @@ def contrast(arms: dict, a: str, b: str, metric: str) -> dict | None:
         bs = ls.bootstrap(A, B)
     except ValueError:
         bs = None
-    return {"a": a, "b": b, "metric": metric, "n_seeds": [len(A), len(B)], "welch": w, "bootstrap": bs,
-            "mde": ls.mde([_mean(v) for v in A.values()], [_mean(v) for v in B.values()])}
+    perm = ls.permutation_test([_mean(v) for v in A.values()], [_mean(v) for v in B.values()])
+    return {"a": a, "b": b, "metric": metric, "n_seeds": [len(A), len(B)], "permutation": perm, "welch": w,
+            "bootstrap": bs, "mde": ls.mde([_mean(v) for v in A.values()], [_mean(v) for v in B.values()])}
 
 
 # ---- seeds kept from an earlier report (--prior) -------------------------------------------------
@@ -438,13 +440,15 @@ def _cell(s: dict, kind: str) -> str:
 
 def _ci(c: dict, kind: str) -> str:
     if c.get("missing"):
-        return "missing | - | - | -"
+        return "missing | - | - | - | -"
     f = (lambda x: f"{100 * x:+.1f}") if kind == "rate" else (lambda x: f"{x:+.2f}")
     w, b = c["welch"], c["bootstrap"]
     wt = f"[{f(w['lo'])}, {f(w['hi'])}]" if w["lo"] is not None else f"n/a ({w.get('why', '< 2 seeds')})"
     bt = f"[{f(b['lo'])}, {f(b['hi'])}]" if b else "n/a"
     mde = "-" if c["mde"] is None else (f"{100 * c['mde']:.1f}" if kind == "rate" else f"{c['mde']:.2f}")
-    return f"{f(w['diff'])} | {wt} | {bt} | {mde}"
+    perm = c.get("permutation")   # absent in records written before the permutation test
+    pt = "-" if perm is None else f"{perm['p']:.3f}" + ("" if perm["exact"] else " (MC)")
+    return f"{f(w['diff'])} | {pt} | {wt} | {bt} | {mde}"
 
 
 def write_md(res: dict, path: Path) -> None:
@@ -474,8 +478,9 @@ def write_md(res: dict, path: Path) -> None:
         wc = "missing" if wc is None else f"{wc:.2e}"
         lines.append(f"| {arm}: {r['name']} | {r['summary']['answer_seen']['n_seeds']} | "
                      + " | ".join(_cell(r["summary"][k], kinds[k]) for k in res["metrics"]) + f" | {wc} |")
-    head = ["| contrast | metric | difference | Welch 95% CI (seeds) | bootstrap 95% CI (seeds x items) | MDE (80% power) |",
-            "|---|---|---:|---|---|---:|"]
+    head = ["| contrast | metric | difference | permutation p (seed labels) | Welch 95% CI (seeds) | "
+            "bootstrap 95% CI (seeds x items) | MDE (80% power) |",
+            "|---|---|---:|---:|---|---|---:|"]
 
     def rows(cs):
         return [f"| {c['a']} - {c['b']} | {res['metrics'][c['metric']]} | {_ci(c, kinds[c['metric']])} |" for c in cs]

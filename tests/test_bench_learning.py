@@ -132,6 +132,17 @@ def test_seeds_and_no_drift_options(tmp_path):
     assert len(train) == 1 + 3 and "--drift" not in r.stdout
 
 
+def test_v4_control_arms_plan(tmp_path):
+    r = _bench("--dry-run", "--runs", str(tmp_path / "r"), "--arms", "Cv,Sr", "--seeds", "Cv=1,Sr=1", "--no-drift")
+    assert r.returncode == 0, r.stderr
+    train = [ln for ln in r.stdout.splitlines() if " fastrehearse train " in f" {ln} "]
+    cv = next(ln for ln in train if "Cv-s0" in ln)
+    sr = next(ln for ln in train if "Sr-s0" in ln)
+    assert "env.options.scramble=true" in cv and "env.reward=consistent" in cv and "rollout.mode=real" in cv
+    assert "sft.source=own_rehearsals" in sr and "--set steps=0" in sr and "rollout.mode=rehearse" in sr
+    assert "sft.tasks_per_step" not in sr   # its steps sample rollout.tasks_per_step x group_size
+
+
 def test_contrast_intervals_hand_computed():
     sys.path.insert(0, str(BENCH.parent))
     import learning_stats as ls
@@ -148,9 +159,10 @@ def test_contrast_intervals_hand_computed():
     flat = ls.welch([0.75, 0.75, 0.75], [0.953, 0.953])
     assert (flat["lo"], flat["hi"], flat["p"]) == (None, None, None) and flat["why"] == "no seed spread in either arm"
     assert flat["diff"] == pytest.approx(0.75 - 0.953) and ls.mde([0.75, 0.75, 0.75], [0.953, 0.953]) is None
-    # one arm flat, the other not: an ordinary Welch interval from the other arm's spread
+    # one arm flat (H 75.0 x3 in v3, a cap), the other not: still no interval; the flat arm is named
     one = ls.welch([0.75, 0.75, 0.75], [0.6, 0.8])
-    assert one["lo"] < one["diff"] < one["hi"] and one["df"] == pytest.approx(1.0)
+    assert (one["lo"], one["hi"], one["p"]) == (None, None, None) and "arm a (every seed = 0.75)" in one["why"]
+    assert ls.mde([0.75, 0.75, 0.75], [0.6, 0.8]) is None
     assert ls.mde([0.6, 0.8], [0.4, 0.5, 0.6]) == pytest.approx((t + ls.t_ppf(0.8, df)) * se)
     # bootstrap: identical runs give a zero-width interval at the observed difference
     A = {0: {"x": 1.0, "y": 0.0}, 1: {"x": 1.0, "y": 0.0}}
@@ -161,6 +173,66 @@ def test_contrast_intervals_hand_computed():
     assert same["lo"] == same["hi"] == 1.0
     with pytest.raises(ValueError, match="no item"):
         ls.bootstrap({0: {"x": 1.0}}, {0: {"y": 1.0}})
+
+
+def test_permutation_test_hand_computed_and_v3():
+    sys.path.insert(0, str(BENCH.parent))
+    import learning_stats as ls
+    # pooled {3, 4, 5, 0, 1}: of the C(5, 3) = 10 labellings only the observed one ({3,4,5} vs {0,1},
+    # difference 4 - 0.5 = 3.5) reaches |3.5|; the next most extreme, {0,1,3} vs {4,5}, is -3.17
+    r = ls.permutation_test([3, 4, 5], [0, 1])
+    assert r == {"diff": 3.5, "p": 0.1, "n_labelings": 10, "exact": True, "reps": None}
+    # ties count: {1, 1} vs {1, 1} -> every labelling as extreme as the observed one
+    assert ls.permutation_test([1.0, 1.0], [1.0, 1.0])["p"] == 1.0
+    # {0,1} vs {2,3}: the two extreme labellings of 6 -> 2/6
+    assert ls.permutation_test([0, 1], [2, 3])["p"] == pytest.approx(2 / 6)
+    # Monte Carlo past max_exact: close to the exact value, never 0
+    a, b = [0.1, 0.5, 0.3, 0.9, 0.7, 0.2], [0.6, 0.8, 1.0, 0.95, 0.4, 0.85]
+    exact = ls.permutation_test(a, b)
+    mc = ls.permutation_test(a, b, max_exact=10, reps=20000, seed=1)
+    assert exact["exact"] and exact["n_labelings"] == 924 and not mc["exact"] and mc["reps"] == 20000
+    assert abs(mc["p"] - exact["p"]) < 0.01 and mc["p"] > 0
+    # v3's Ca vs Cc on answer_seen (benchmarks/results/learning_v3_smollm2.json): 5 of 35 labellings
+    ca, cc = [0.65625, 0.328125, 0.546875, 0.671875], [0.0, 0.46875, 0.359375]
+    assert ls.permutation_test(ca, cc)["p"] == pytest.approx(5 / 35)
+    with pytest.raises(ValueError, match="1 seed"):
+        ls.permutation_test([], [1.0])
+
+
+def test_recovery_ratio_fieller_and_planned_mde():
+    sys.path.insert(0, str(BENCH.parent))
+    import learning_stats as ls
+    # R with no spread and a constant warm-up: Fieller reduces to N/D +- t * sqrt(vN) / D
+    ca, r, w = [0.5, 0.6, 0.7], [0.9, 0.9, 0.9], [0.3]
+    f = ls.recovery_ratio(ca, r, w)
+    t = ls.t_ppf(0.975, 2)
+    N, D, vN = 0.6 - 0.3, 0.6, 0.01 / 3
+    assert f["ratio"] == pytest.approx(N / D) and f["df"] == 2
+    assert (f["lo"], f["hi"]) == (pytest.approx(N / D - t * vN ** 0.5 / D), pytest.approx(N / D + t * vN ** 0.5 / D))
+    # the general case: the endpoints solve (N - rho D)^2 = t^2 (vN - 2 rho c + rho^2 vD)
+    ca, r, w = [0.5, 0.62, 0.7, 0.58], [0.8, 0.9, 0.85, 0.95], [0.25, 0.35, 0.3, 0.3]
+    g = ls.recovery_ratio(ca, r, w)
+    vw = 0.005 / 3 / 4
+    N, D = sum(ca) / 4 - 0.3, sum(r) / 4 - 0.3
+    vN, vD = ls.statistics.variance(ca) / 4 + vw, ls.statistics.variance(r) / 4 + vw
+    t2 = ls.t_ppf(0.975, 3) ** 2
+    assert g["df"] == 3
+    for rho in (g["lo"], g["hi"]):
+        assert (N - rho * D) ** 2 == pytest.approx(t2 * (vN - 2 * rho * vw + rho ** 2 * vD))
+    assert g["lo"] < g["ratio"] < g["hi"]
+    # R no better than the warm-up: unbounded, no interval
+    u = ls.recovery_ratio([0.5, 0.6], [0.3, 0.5], [0.38])
+    assert u["lo"] is None and "unbounded" in u["why"]
+    # planned MDE from a pilot SD: hand formula, and the seed count that reaches a target
+    sd = ls.pooled_sd([0.5, 0.7], [0.4, 0.6, 0.5])
+    assert sd == pytest.approx(((0.02 + 0.02) / 3) ** 0.5)
+    m = ls.mde_planned(0.1, 8, 8)
+    assert m == pytest.approx((ls.t_ppf(0.975, 14) + ls.t_ppf(0.8, 14)) * 0.1 * (2 / 8) ** 0.5)
+    n = ls.seeds_for_mde(0.1, 0.15)
+    assert ls.mde_planned(0.1, n, n) <= 0.15 < ls.mde_planned(0.1, n - 1, n - 1)
+    for bad in (0.0, float("nan"), -1.0):
+        with pytest.raises(ValueError, match="sd"):
+            ls.mde_planned(bad, 4, 4)
 
 
 def test_task_kind_table_counts_each_kind_per_run():

@@ -76,6 +76,8 @@ def test_rehearsal_pass_through_the_engine_and_summary(tiny):
     assert [r["id"] for r in rows] == [t.id for t in tasks]
     for r in rows:
         assert r["calls"] == 1 and r["error"] is None and 0.0 <= r["field_f1"] <= 1.0
+        # every builtin response has a predictable field (an echo) and these first calls a hidden one
+        assert 0.0 <= r["rule_predictable"] <= 1.0 and 0.0 <= r["rule_hidden"] <= 1.0
     lp = gold_logprobs(model, tok, SUITE, tasks)
     s = summarize(lp, rows)
     assert s["n_logprob"] == 3 and s["answer_logprob_per_token"] == pytest.approx(

@@ -159,8 +159,13 @@ def _fidelity(scores: list[dict]) -> dict[str, float] | None:
     if not scores:
         return None
     n = len(scores)
-    return {"exact": sum(float(s["exact"]) for s in scores) / n,
-            "field_f1": sum(float(s["field_f1"]) for s in scores) / n, "calls": float(n)}
+    out = {"exact": sum(float(s["exact"]) for s in scores) / n,
+           "field_f1": sum(float(s["field_f1"]) for s in scores) / n, "calls": float(n)}
+    for k in ("predictable", "hidden"):   # fields labelled by the env (builtin: envs/builtin/rules.py)
+        v = [float(s[k]) for s in scores if s.get(k) is not None]
+        if v:
+            out[k] = sum(v) / len(v)
+    return out
 
 
 def _error_item(cat: str, task: Task, error: str, t0: float) -> ItemResult:

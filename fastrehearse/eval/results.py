@@ -155,7 +155,9 @@ def per_category(items: list[ItemResult]) -> dict[str, dict[str, Any]]:
         fid = [r.fidelity for r in rs if r.fidelity]
         if fid:
             keys = sorted({k for f in fid for k in f})
-            entry["fidelity"] = {k: sum(f.get(k, 0.0) for f in fid) / len(fid) for k in keys}
+            # a key some items lack (predictable / hidden: no such field in their rehearsals) is
+            # averaged over the items that have it, never counted as 0 for the others
+            entry["fidelity"] = {k: sum(f[k] for f in fid if k in f) / sum(k in f for f in fid) for k in keys}
             entry["fidelity"]["n_items"] = len(fid)
         drift = [r.extra["drift"] for r in rs if "drift" in r.extra]
         if drift:   # what the drift did: responses seen / changed, calls that hit a removed tool

@@ -20,7 +20,11 @@ A success rate on 64 items moves in steps of 1.6 points and its seed-to-seed spr
                                  hidden  the real response's other leaves (values the world model
                                          must know: a balance, a stock count) found with equal value
                                plus the engine's field F1. Schema and echo can be learned from the
-                               format alone; hidden values only from the world.
+                               format alone; hidden values only from the world. On the builtin
+                               suite also split by what the episode reveals (envs/builtin/rules.py):
+                                 rule_predictable  top-level fields the tool's documented rules and
+                                                   the earlier responses give (echoes included)
+                                 rule_hidden       the other top-level fields (seeded values, new ids)
 
     python -m fastrehearse.eval.teacher_forced --model runs/x/export --level easy@-accounts \
         --n 256 --out runs/x/teacher_forced.json
@@ -51,7 +55,7 @@ def value_span(tokenizer, ids: list[int], span: tuple[int, int], spec: dict | No
     spec is unknown or the value is not written in the gold answer."""
     import re
 
-    from fastrehearse.envs.builtin.scoring import _NUM
+    from fastrehearse.envs.builtin.tasks import NUMBER
     if not spec or "kind" not in spec:
         return []
     s, e = span
@@ -59,7 +63,7 @@ def value_span(tokenizer, ids: list[int], span: tuple[int, int], spec: dict | No
     kind, value = spec["kind"], spec["value"]
     if kind == "number":
         tol = max(spec.get("abs_tol", 0.0), spec.get("rel_tol", 0.0) * abs(value)) + 1e-9
-        m = next((m for m in _NUM.finditer(text) if abs(float(m.group().replace(",", "")) - value) <= tol), None)
+        m = next((m for m in NUMBER.finditer(text) if abs(float(m.group().replace(",", "")) - value) <= tol), None)
     elif kind == "token":
         m = re.search(rf"(?<![\w:]){re.escape(value)}(?![\w:])", text, re.IGNORECASE)
     else:
@@ -229,8 +233,12 @@ def rehearsal_fidelity(model, tokenizer, suite: Suite, tasks: Sequence[Task], *,
         parts = []
         for c, r, ex in zip(calls, real, made + [None] * (len(calls) - len(made))):
             parts.append(fidelity_split(c.arguments, ex.content if ex else None, r, suite.response_spec(c.name)))
-        for k in ("schema", "echo", "hidden"):
-            v = [p[k] for p in parts if p[k] is not None]
+            if getattr(suite, "name", None) == "builtin":   # the first call: nothing revealed before it
+                from fastrehearse.envs.builtin.expectations import fidelity_by_label
+                lab = fidelity_by_label([], c.name, c.arguments, ex.content if ex else None, r)
+                parts[-1].update(rule_predictable=lab["predictable"], rule_hidden=lab["hidden"])
+        for k in ("schema", "echo", "hidden", "rule_predictable", "rule_hidden"):
+            v = [p[k] for p in parts if p.get(k) is not None]
             row[k] = sum(v) / len(v) if v else None
         f1 = [s["field_f1"] for s in ep.metadata.get("fidelity", [])]
         row["field_f1"] = sum(f1) / len(f1) if f1 else 0.0
@@ -253,7 +261,7 @@ def summarize(lp_rows: list[dict], fid_rows: list[dict]) -> dict:
         out["value_found"] = sum(r.get("value_logprob") is not None for r in lp_rows) / len(lp_rows)
         out["response_logprob_per_token"] = sum(r["response_logprob"] for r in lp_rows) / max(
             1, sum(r["response_tokens"] for r in lp_rows))
-    for k in ("schema", "echo", "hidden", "field_f1"):
+    for k in ("schema", "echo", "hidden", "rule_predictable", "rule_hidden", "field_f1"):
         out[f"rehearsal_{k}"] = mean([r.get(k) for r in fid_rows])
     return out
 

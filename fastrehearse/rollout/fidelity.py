@@ -7,6 +7,10 @@ Per pair (rehearsed, real):
             precision = |common| / |rehearsed fields|, recall = |common| / |real fields|. A list is
             indexed by position. When the real response is not JSON, the whole stripped text is one
             field (so F1 = exact); a non-JSON rehearsal of a JSON response has F1 0.
+  predictable / hidden  (environments that label fields, e.g. the builtin suite's
+            `fidelity_by_label`): the share of the real response's fields the episode's earlier
+            responses and the tools' documented rules give (predictable), and of the others (hidden),
+            that the rehearsal reproduces; None where the env gives no labels or a label has no field
 Aggregated per tool and overall (means over pairs) by `aggregate`.
 """
 from __future__ import annotations
@@ -45,6 +49,8 @@ class FidelityScore:
     tool: str
     exact: float
     field_f1: float
+    predictable: float | None = None
+    hidden: float | None = None
 
 
 def score_pair(tool: str, rehearsed: str, real: str) -> FidelityScore:
@@ -71,8 +77,13 @@ def aggregate(scores: list[FidelityScore]) -> dict:
 
     def summary(ss):
         n = len(ss)
-        return {"n": n, "exact": sum(s.exact for s in ss) / n if n else None,
-                "field_f1": sum(s.field_f1 for s in ss) / n if n else None}
+        out = {"n": n, "exact": sum(s.exact for s in ss) / n if n else None,
+               "field_f1": sum(s.field_f1 for s in ss) / n if n else None}
+        for k in ("predictable", "hidden"):   # only where the env labels fields
+            v = [getattr(s, k) for s in ss if getattr(s, k) is not None]
+            if v:
+                out[k], out[f"n_{k}"] = sum(v) / len(v), len(v)
+        return out
 
     out = summary(scores)
     out["per_tool"] = {t: summary(ss) for t, ss in sorted(per.items())}

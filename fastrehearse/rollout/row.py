@@ -320,6 +320,10 @@ class Row:
         if self.cfg.measure_fidelity and self.env is not None:
             real = self._execute(pc)
             s = score_pair(pc.call.name, content, real)
+            label = getattr(self.env, "fidelity_by_label", None)   # the builtin suite labels fields
+            if callable(label):
+                lab = label(self.traj.messages, pc.call, content, real)
+                s.predictable, s.hidden = lab["predictable"], lab["hidden"]
             self.fidelity.append(s)
             entry.update(measured=True, exact=s.exact, field_f1=s.field_f1)
         self.call_log.append(entry)

@@ -141,13 +141,20 @@ class OptimConfig:
 
 @dataclass
 class SFTConfig:
-    """Optional warm-up on gold trajectories before RL: CE on ACT (and OBSERVED) tokens."""
+    """Optional SFT steps before RL: CE on ACT (and OBSERVED / REHEARSE) tokens.
+    source gold: the tasks' gold trajectories (the warm-up; tool responses real, OBSERVED).
+    source own_rehearsals (the learning experiment's Sr control, docs/training.md): each step
+    samples the model's own episodes exactly as an RL step would (rollout.tasks_per_step x
+    group_size from the RL task stream, rollout.mode rehearse, the RL step seed), keeps those whose
+    env.reward (consistent) is 1, and trains CE on their ACT and REHEARSE tokens."""
     steps: int = 0
-    tasks_per_step: int = 8
+    source: typing.Literal["gold", "own_rehearsals"] = "gold"
+    tasks_per_step: int = 8         # gold source only (own_rehearsals uses rollout.tasks_per_step)
     lr: float = 1e-4
     warmup_steps: int = 0
     w_act: float = 1.0
     w_observed: float = 1.0         # the world model learns tool responses from real ones
+    w_rehearse: float = 1.0         # own_rehearsals: the world model learns its own kept rehearsals
 
 
 @dataclass
@@ -442,6 +449,14 @@ def validate(cfg: TrainConfig, explicit: set | frozenset = frozenset()) -> Train
                 "optim.eps", "optim.min_lr_ratio", "env.max_train_tasks"):
         if _get(cfg, key) is not None:
             positive(key, _get(cfg, key), zero_ok=True)
+    choice("sft.source", cfg.sft.source, ("gold", "own_rehearsals"))
+    if cfg.sft.source == "own_rehearsals":   # the kept episodes must be rehearsed ones passing consistent
+        if cfg.rollout.mode != "rehearse":
+            raise ConfigError(f"config key 'rollout.mode' must be 'rehearse' with sft.source=own_rehearsals "
+                              f"(got {cfg.rollout.mode!r}): the source is the model's own rehearsed episodes")
+        if cfg.env.reward != "consistent":
+            raise ConfigError(f"config key 'env.reward' must be 'consistent' with sft.source=own_rehearsals "
+                              f"(got {cfg.env.reward!r}): episodes are kept when they pass it")
     if cfg.sft.steps > 0 and cfg.sft.lr == 0:
         raise ConfigError(f"config key 'sft.lr' must be > 0 when sft.steps > 0 (got 0 with "
                           f"sft.steps={cfg.sft.steps}): the warm-up would train nothing")

@@ -39,11 +39,12 @@ class CEResult:
 
 
 def sft_head(cfg: TrainConfig, b, token_counts):
-    """Masked CE on ACT (w_act) and OBSERVED (w_observed) tokens, each role divided by its global
+    """Masked CE on ACT (w_act), OBSERVED (w_observed) and REHEARSE (w_rehearse) tokens, each role divided by its global
     token count: loss = sum_r w_r / N_r * sum_{t in r} -log p(t)."""
     w_role = torch.zeros(NUM_ROLES, dtype=torch.float64)
     w_role[int(Role.ACT)] = cfg.sft.w_act
     w_role[int(Role.OBSERVED)] = cfg.sft.w_observed
+    w_role[int(Role.REHEARSE)] = cfg.sft.w_rehearse   # only own_rehearsals episodes carry REHEARSE tokens
     scale = torch.where(token_counts > 0, w_role / token_counts.clamp_min(1), torch.zeros_like(w_role))
 
     def head(hidden, weight, **head_kw):

@@ -100,7 +100,7 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, overwrite: bool) -> d
     t_start = time.perf_counter()
     notes = prepare_run_dir(cfg, info, resume=resume, overwrite=overwrite)
     run = setup(cfg, info)
-    if cfg.steps > 0:
+    if cfg.steps > 0 or cfg.sft.source == "own_rehearsals":   # steps that sample rollouts
         notes += check_prompt_lengths(cfg, run.suite, run.train_tasks, run.tokenizer)
     for n in notes + warnings_for(cfg):
         run.logger.write(n)
@@ -135,6 +135,9 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, overwrite: bool) -> d
         with phase("eval"):
             run.state.eval_before = evaluate(run, tag="before")
     sft_steps, total = cfg.sft.steps, cfg.sft.steps + cfg.steps
+    # checkpoint.every counts from the first step that samples rollouts: an own_rehearsals run's
+    # SFT steps are as long as RL steps and as worth keeping
+    ckpt_from = 0 if cfg.sft.source == "own_rehearsals" else sft_steps
     run.logger.set_progress(run.state.step, total=total)
 
     saved_at = None
@@ -156,7 +159,7 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, overwrite: bool) -> d
             with phase("eval"):
                 new_best = periodic_eval(run, ckpt)
         every = cfg.checkpoint.every
-        if stop or new_best or (every and run.state.step >= sft_steps and run.state.step % every == 0):
+        if stop or new_best or (every and run.state.step >= ckpt_from and run.state.step % every == 0):
             with phase("checkpoint"):
                 save_checkpoint(run, ckpt)
             saved_at = run.state.step
@@ -166,7 +169,7 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, overwrite: bool) -> d
             return {"interrupted": True, "step": run.state.step}
 
     if cfg.checkpoint.at_end and saved_at != run.state.step and not (
-            cfg.checkpoint.every and run.state.step % cfg.checkpoint.every == 0 and run.state.step >= sft_steps):
+            cfg.checkpoint.every and run.state.step % cfg.checkpoint.every == 0 and run.state.step >= ckpt_from):
         with phase("checkpoint"):
             save_checkpoint(run, ckpt)
     with phase("eval"):
@@ -238,6 +241,8 @@ def sft_step(run: Run) -> dict:
     """One CE step on gold trajectories (every rank builds the same global list; packing splits
     it). Gold tool responses are real ones: role OBSERVED, the world model's supervised target."""
     cfg = run.cfg
+    if cfg.sft.source == "own_rehearsals":
+        return own_rehearsals_step(run)
     gold = [t for t in run.train_tasks if t.gold]   # non-empty: checked by build_tasks before loading
     tasks = next_tasks(gold, run.state.sft_cursor, cfg.sft.tasks_per_step, cfg.seed + 1)
     run.state.sft_cursor += cfg.sft.tasks_per_step
@@ -265,6 +270,40 @@ def periodic_eval(run: Run, ckpt: Checkpointer) -> bool:
                "checkpoint": str(ckpt.root / f"step_{st.step:08d}")}
     ckpt.pinned = Path(st.best["checkpoint"])
     return True
+
+
+def own_rehearsals_step(run: Run) -> dict:
+    """sft.source own_rehearsals (rejection-sampling SFT, the Sr control): the RL step's rollout
+    (same task stream, cursor and step seed), then CE on the ACT and REHEARSE tokens of the episodes
+    whose env.reward (consistent, checked by the config) is 1."""
+    cfg, info, st = run.cfg, run.info, run.state
+    tasks = next_tasks(run.train_tasks, st.rl_cursor, cfg.rollout.tasks_per_step, cfg.seed)
+    st.rl_cursor += cfg.rollout.tasks_per_step
+    mine = tasks[info.rank::info.world_size]
+    t0 = time.perf_counter()
+    with phase("rollout"):
+        episodes, rmetrics, n_failed = rollout(run, mine, mode=cfg.rollout.mode,
+                                               temperature=cfg.rollout.temperature,
+                                               seed=step_seed(cfg.seed, st.step, info.rank),
+                                               group_size=cfg.rollout.group_size,
+                                               measure_fidelity=cfg.rollout.measure_fidelity)
+        rollout_s = time.perf_counter() - t0
+        gathered = all_gather_object(([slim_episode(e) for e in episodes], rmetrics, n_failed), info)
+    episodes = [e for eps, _, _ in gathered for e in eps]
+    n_failed = sum(f for _, _, f in gathered)
+    st.rollout_failures += n_failed
+    row = {"stage": "sft", "source": "own_rehearsals", "rollout_failures": n_failed, "rollout_s": round(rollout_s, 3)}
+    row.update(rollout_row(episodes, [m for _, m, _ in gathered], rollout_s))
+    kept = [e for e in episodes if e.reward >= 1.0]
+    row["kept_episodes"], row["kept_frac"] = len(kept), len(kept) / max(1, len(episodes))
+    if len(kept) < info.world_size:   # packing needs one episode per rank
+        return skip_step(run, row, reason=f"{len(kept)} of {len(episodes)} own rehearsed episodes pass "
+                                          f"{cfg.env.reward!r}: nothing to train on")
+    release_rollout_memory(run)
+    with phase("update"):
+        row.update(policy_update(run, kept, stage="sft"))
+        row.update(sync_generation_weights(run))
+    return row
 
 
 def save_checkpoint(run: Run, ckpt: Checkpointer) -> None:

@@ -36,7 +36,7 @@ def build_tasks(cfg: TrainConfig):
     if not tasks["env.train_split"]:
         raise ConfigError(f"config key 'env.train_split' = {cfg.env.train_split!r}: suite "
                           f"{cfg.env.suite!r} has no tasks in it")
-    if cfg.sft.steps > 0 and not any(t.gold for t in tasks["env.train_split"]):
+    if cfg.sft.steps > 0 and cfg.sft.source == "gold" and not any(t.gold for t in tasks["env.train_split"]):
         raise ConfigError(f"config key 'sft.steps' = {cfg.sft.steps}: no task of env.train_split "
                           f"{cfg.env.train_split!r} has a gold trajectory to warm up on (set sft.steps=0)")
     return suite, tasks["env.train_split"], tasks["env.eval_split"]

@@ -19,14 +19,23 @@ check in payload["checks"] passes, else 0.0:
 
 `consistent` (a reward a trainer can compute inside a rehearsed world: nothing is executed and no
 hidden value of the real world is read; only the task's gold calls, which are annotations):
-  calls   every required gold call (name + arguments, same matching) appears among the calls made
-          whose response in *this episode* is not an error object;
+  calls   every required gold call appears among the calls made whose response in *this episode*
+          is not an error object: same name, and each argument equal to the gold's (same matching)
+          -- except an argument the gold copied from an earlier response (tasks.py "sources": an id
+          found by find_accounts, an amount from exchange), which must instead equal a value under
+          that key in an earlier non-error response *in this episode* of that tool called with the
+          source call's request-stated arguments (find_accounts of *that* owner), in an object
+          whose request-stated fields beside it agree (the account of type "savings");
   state   the write calls (WRITE_TOOLS) whose response in this episode is not an error equal the
           gold's write calls one to one (no missing, no extra: the world-free analogue of the
           state digest);
   answer  the answer spec's value is replaced by the value at its `source` in this episode's own
           responses (the latest response of the source tool that yields one: rehearsed or real),
           then checked with the same kinds and tolerances; no such response -> 0.
+  rules   (the "rules" family, payload["rules"]) every non-error response of the episode carries
+          the predictable fields the documented rules and the episode's earlier responses give
+          (expectations.follows_rules: the balance after a deposit is the earlier balance plus the deposit,
+          get_list lists what was added, an exchange uses the stated rate).
 An episode whose world model said 2804.47 and whose answer reports 2804.47 scores 1 here and 0
 under `real` when the real balance differs. A malformed call scores as in every mode (the engine's
 `malformed_reward`, applied by the caller).
@@ -39,21 +48,19 @@ import re
 from typing import Any
 
 from fastrehearse.envs.base import Trajectory
+from fastrehearse.envs.builtin.expectations import follows_rules
+from fastrehearse.envs.builtin.tasks import dicts_in, numbers_in
 from fastrehearse.envs.builtin.tools import execute
 from fastrehearse.envs.builtin.world import make_world, state_digest
 from fastrehearse.envs.replay import Exchange, exchanges_of, final_answer_of, tool_calls_of
 
 MAX_SCORED_CALLS = 64   # a runaway episode cannot make scoring slow
 REWARD_MODES = ("real", "calls", "consistent")
-WRITE_TOOLS = frozenset({"transfer", "place_order", "cancel_order", "create_event", "cancel_event"})
+WRITE_TOOLS = frozenset({"transfer", "place_order", "cancel_order", "create_event", "cancel_event",
+                         "deposit", "add_to_list", "create_note"})
 _INT = re.compile(r"-?\d+")
 # A number not glued to a word, a decimal point, a time/date separator: "2026-03-04" and "14:00"
 # yield nothing, "AC1234" does not yield 1234. Thousands separators allowed: 1,234.50.
-_NUM = re.compile(r"(?<![\w.:/-])-?\d+(?:,\d{3})*(?:\.\d+)?(?!\d|[:/.,-]\d)")
-
-
-def numbers_in(text: str) -> list[float]:
-    return [float(m.group().replace(",", "")) for m in _NUM.finditer(text)]
 
 
 def _json_objects(text: str) -> list:
@@ -116,11 +123,25 @@ def _same(gold: Any, got: Any) -> bool:
     return gold == got
 
 
-def calls_match(required: list[dict], made: list[tuple[str, dict]]) -> bool:
-    left = list(made)
+def calls_match(required: list[dict], made: list[tuple[str, dict]], seen: list[list] | None = None) -> bool:
+    """Each required call matches a distinct made call. `seen` (consistent mode): for made call i, the
+    (tool, parsed response) pairs of the episode before it; then an argument with a gold "source"
+    must come from an earlier response as the source says (module docstring), not equal the gold."""
+    left = list(range(len(made)))
+
+    def arg_ok(req: dict, k: str, v, args: dict, i: int) -> bool:
+        src = (req.get("sources") or {}).get(k) if seen is not None else None
+        if src is None:
+            return _same(v, args[k])
+        return any(_same(d[src["key"]], args[k]) and all(_same(x, d.get(f)) for f, x in src["with"].items())
+                   for tool, a, resp in seen[i] if tool == src["tool"] and isinstance(a, dict)
+                   and all(f in a and _same(x, a[f]) for f, x in src["args"].items())
+                   for d in dicts_in(resp) if src["key"] in d)
+
     for req in required:
-        hit = next((i for i, (name, args) in enumerate(left) if name == req["name"] and isinstance(args, dict)
-                    and all(k in args and _same(v, args[k]) for k, v in req["arguments"].items())), None)
+        hit = next((j for j, i in enumerate(left) if made[i][0] == req["name"] and isinstance(made[i][1], dict)
+                    and all(k in made[i][1] and arg_ok(req, k, v, made[i][1], i)
+                            for k, v in req["arguments"].items())), None)
         if hit is None:
             return False
         left.pop(hit)
@@ -209,17 +230,23 @@ def episode_answer_spec(spec: dict, exchanges: list[Exchange]) -> dict | None:
     return None
 
 
-def score_consistent(payload: dict, trajectory: Trajectory) -> float:
-    done = [ex for ex in exchanges_of(trajectory.messages)[:MAX_SCORED_CALLS] if not is_error_response(ex.content)]
+def score_consistent(payload: dict, trajectory: Trajectory, check_rules: bool = True) -> float:
+    """The `consistent` score (module docstring); check_rules False: without the rules check (a
+    scrambled world, envs/scramble.py, breaks the rules by construction)."""
+    exchanges = exchanges_of(trajectory.messages)[:MAX_SCORED_CALLS]
+    done = [ex for ex in exchanges if not is_error_response(ex.content)]
     made = [(ex.name, ex.arguments) for ex in done]
+    seen = [[(ex.name, ex.arguments, _load(ex.content)) for ex in done[:i]] for i in range(len(done))]
     checks = payload["checks"]
-    if "calls" in checks and not calls_match(payload["required_calls"], made):
+    if "calls" in checks and not calls_match(payload["required_calls"], made, seen):
         return 0.0
     if "state" in checks:
         gold_writes = [c for c in payload["required_calls"] if c["name"] in WRITE_TOOLS]
-        writes = [(n, a) for n, a in made if n in WRITE_TOOLS]
-        if len(writes) != len(gold_writes) or not calls_match(gold_writes, writes):
+        idx = [i for i, (n, _) in enumerate(made) if n in WRITE_TOOLS]
+        if len(idx) != len(gold_writes) or not calls_match(gold_writes, [made[i] for i in idx], [seen[i] for i in idx]):
             return 0.0
+    if check_rules and payload.get("rules") and not follows_rules(exchanges):
+        return 0.0
     if "answer" in checks and payload["answer"] is not None:
         spec = episode_answer_spec(payload["answer"], exchanges_of(trajectory.messages))
         if spec is None or not check_answer(spec, answer_of(trajectory)):

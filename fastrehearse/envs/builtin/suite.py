@@ -12,13 +12,15 @@ from typing import Any, Sequence
 
 from fastrehearse.envs.base import ResetResult, Suite, Task, ToolCall, ToolEnv, ToolResult, Trajectory
 from fastrehearse.envs.builtin import scoring
-from fastrehearse.envs.builtin.tasks import TEMPLATES, generate
+from fastrehearse.envs.builtin.tasks import RULES_LEVEL, TEMPLATES, generate
 from fastrehearse.envs.builtin.tools import DOMAINS, RESPONSES, SCHEMAS, dumps, execute
 from fastrehearse.envs.builtin.world import make_world
 
 SYSTEM_PROMPT = ("You are a helpful assistant with access to tools. Use the tools to look up what you "
                  "need or to make changes; then reply to the user with a short final answer.")
-LEVEL_PRESETS = {"easy": (0,), "mixed": (1, 2, 3), "all": (0, 1, 2, 3), "hard": (3,)}
+# "rules" (level 4) is the family whose responses follow documented rules (tasks.py); "all" keeps
+# its levels 0-3 so runs that named it see the same tasks as before.
+LEVEL_PRESETS = {"easy": (0,), "mixed": (1, 2, 3), "all": (0, 1, 2, 3), "hard": (3,), "rules": (4,)}
 TOOL_MODES = ("auto", "task", "domain", "all")
 SPLITS = ("train", "test")
 _DOMAIN_OF = {t: d for d, ts in DOMAINS.items() for t in ts}
@@ -33,8 +35,12 @@ def parse_level_spec(level: int | str | Sequence[int]) -> tuple[tuple[int, ...],
     if name not in DOMAINS:
         raise ValueError(f"level={level!r}: after '@' expected a tool family (or '-' and one) from "
                          f"{sorted(DOMAINS)}, got {fam!r}")
-    families = frozenset(DOMAINS) - {name} if fam.startswith("-") else frozenset({name})
-    return parse_levels(base), families
+    levels = parse_levels(base)
+    # The ledger tools exist for the rules family only: "easy@-accounts" keeps meaning (and naming
+    # its task ids after) the four families of levels 0-3.
+    every = frozenset(DOMAINS) - (frozenset() if RULES_LEVEL in levels else {"ledger"})
+    families = every - {name} if fam.startswith("-") else frozenset({name})
+    return levels, families
 
 
 def parse_levels(level: int | str | Sequence[int]) -> tuple[int, ...]:
@@ -83,12 +89,20 @@ class BuiltinEnv(ToolEnv):
     def score(self, task: Task, trajectory: Trajectory) -> float:
         return scoring.score(task.payload, trajectory)
 
+    def fidelity_by_label(self, messages: list[dict], call: ToolCall, rehearsed: str, real: str) -> dict:
+        """Rehearsal fidelity on the predictable and the hidden fields of `real`, given the
+        episode's messages before the call (envs/builtin/rules.py)."""
+        from fastrehearse.envs.builtin.expectations import fidelity_by_label
+        from fastrehearse.envs.replay import exchanges_of
+        return fidelity_by_label(exchanges_of(messages), call.name, call.arguments, rehearsed, real)
+
 
 class BuiltinSuite(Suite):
     """Seeded, procedurally generated multi-step tool-use tasks.
 
     level: "easy" (= 0: one spelled-out call; success = that call was made), "mixed" (= 1,2,3,
-        default), "all", "hard" (= 3), an int 0-3, or a list of ints. Tasks rotate over the levels.
+        default), "all" (= 0-3), "hard" (= 3), "rules" (= 4: responses predictable from the episode
+        and the documented rules, envs/builtin/rules.py), an int 0-4, or a list of ints. Tasks rotate over the levels.
         A string level may end in "@FAMILY" (only that tool family's tasks, e.g. "mixed@calendar")
         or "@-FAMILY" (every family but that one, tools included: "mixed@-calendar"): a held-out
         tool family for training on one and testing on the other (docs/learning.md).
@@ -96,14 +110,18 @@ class BuiltinSuite(Suite):
         tasks are generated on demand and cached).
     tools: which tool schemas the model sees: "auto" (the task's domain tools, e.g. all 3 account
         tools; at level 0 only the named tool), "task" (only the tools the gold solution uses: the
-        shortest prompts), "domain" (domain tools at every level), or "all" (all 15 tools).
+        shortest prompts), "domain" (domain tools at every level), or "all" (every tool).
     easy_answer: level 0 also requires the final answer to state the tool's result.
     seed: shifts the whole task set; splits stay disjoint for every seed.
+    scramble: every environment is wrapped in `envs.scramble.ScrambleEnv` (the Cv control: the real
+        tools run, responses keep their schema and echoes, every other value is random; seeded by
+        the task id). The `consistent` reward then skips the rules check, which random content
+        breaks by construction, and grades calls, state and answer inside the scrambled episode.
     """
     name = "builtin"
 
     def __init__(self, level: int | str | Sequence[int] = "mixed", n_train: int = 2000, n_test: int = 300,
-                 tools: str = "auto", easy_answer: bool = False, seed: int = 0) -> None:
+                 tools: str = "auto", easy_answer: bool = False, seed: int = 0, scramble: bool = False) -> None:
         self.levels, self.families = parse_level_spec(level)
         for arg, v in (("n_train", n_train), ("n_test", n_test), ("seed", seed)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -111,7 +129,9 @@ class BuiltinSuite(Suite):
         if tools not in TOOL_MODES:
             raise ValueError(f"tools={tools!r}: expected one of {TOOL_MODES}")
         self.sizes = {"train": n_train, "test": n_test}
-        self.tool_mode, self.easy_answer, self.seed = tools, bool(easy_answer), seed
+        if not isinstance(scramble, bool):
+            raise ValueError(f"scramble={scramble!r}: expected true or false")
+        self.tool_mode, self.easy_answer, self.seed, self.scramble = tools, bool(easy_answer), seed, scramble
         self._cache: dict[tuple[str, int], Task] = {}
 
     def task(self, split: str, i: int) -> Task:
@@ -147,7 +167,10 @@ class BuiltinSuite(Suite):
             raise ValueError(f"limit={limit!r}: expected an int >= 0 or None")
         return [self.task(split, i) for i in range(n)]
 
-    def make_env(self) -> BuiltinEnv:
+    def make_env(self) -> ToolEnv:
+        if self.scramble:
+            from fastrehearse.envs.scramble import ScrambleEnv
+            return ScrambleEnv(BuiltinEnv(), seed=self.seed)
         return BuiltinEnv()
 
     # Training rewards (envs/builtin/scoring.py): "calls" drops the answer check, "consistent"
@@ -157,6 +180,8 @@ class BuiltinSuite(Suite):
     def task_reward(self, task: Task, trajectory: Trajectory, mode: str) -> float:
         if mode not in self.reward_modes:
             return super().task_reward(task, trajectory, mode)
+        if mode == "consistent" and self.scramble:
+            return scoring.score_consistent(task.payload, trajectory, check_rules=False)
         return scoring.score(task.payload, trajectory, mode)
 
     def response_spec(self, tool: str) -> dict | None:

@@ -9,6 +9,16 @@ Levels
   1: one lookup, then answer (the model must pick the tool and argument itself).
   2: two or three dependent calls (look up an id, then use it), then answer.
   3: three to five calls with a state change (transfer, order, cancel, reschedule), then answer.
+  4 "rules": two to four calls whose later responses follow from earlier ones and from rules the tool
+     descriptions state (create -> get, deposit -> balance, add -> list, exchange rates, date
+     arithmetic: envs/builtin/rules.py), then answer. A rehearsed world can be right or wrong here.
+
+Argument provenance: a required call's argument that the request does not state but an earlier gold
+response returned (an account id from find_accounts, a converted amount) is recorded with where it
+came from (`required_calls[i]["sources"][arg] = {"tool", "key", "args", "with"}`: the tool, the
+response key, the source call's arguments that the request states, and the fields beside the value
+whose gold values the request states, e.g. `"type": "savings"`), so the `consistent` reward checks
+it against the episode's own earlier responses instead of the real world's hidden id.
 
 Splits are disjoint twice over: train worlds use even seeds and test worlds odd seeds, and each task's
 entity combination (template + the entities the request names, e.g. an owner name and an account
@@ -23,9 +33,11 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from fastrehearse.envs.builtin import rules
 from fastrehearse.envs.builtin.tools import DOMAINS, execute
 from fastrehearse.envs.builtin.world import LOCATIONS, ORDER_STATUSES, make_world, state_digest
 
@@ -78,6 +90,7 @@ class Script:
         self.world = world
         self.messages: list[dict] = []
         self.required: list[dict] = []
+        self.exchanges: list[tuple[str, dict, Any]] = []   # (tool, arguments, parsed response)
         self.n_calls = 0
 
     def call(self, tool: str, /, required: bool = True, **args: Any) -> dict:
@@ -87,19 +100,86 @@ class Script:
         self.messages.append({"role": "assistant", "content": "", "tool_calls": [
             {"type": "function", "function": {"name": n, "arguments": dict(a)}} for n, a in calls]})
         outs = []
+        earlier = list(self.exchanges)
         for name, args in calls:
             res = execute(self.world, name, args)
             if not res.ok:
                 raise GoldError(f"gold call {name}({args}) failed: {res.content}")
             self.messages.append({"role": "tool", "name": name, "content": res.content})
+            self.exchanges.append((name, dict(args), json.loads(res.content)))
             if required:
-                self.required.append({"name": name, "arguments": dict(args)})
+                req = {"name": name, "arguments": dict(args)}
+                cands = {k: src for k, v in args.items() if (src := _source_of(v, earlier)) is not None}
+                if cands:
+                    req["sources"] = cands   # pruned by `generate` to those the request does not state
+                self.required.append(req)
             self.n_calls += 1
             outs.append(json.loads(res.content))
         return outs
 
     def answer(self, text: str) -> None:
         self.messages.append({"role": "assistant", "content": text})
+
+
+_ID_OR_DATE = re.compile(r"^(?:[A-Z]{2}\d+|\d{4}-\d{2}-\d{2})$")
+
+
+def _leaves(value: Any, key: str | None = None):
+    """(key, leaf) pairs of a parsed response, at any depth."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaves(v, k)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _leaves(v, key)
+    elif key is not None:
+        yield key, value
+
+
+NUMBER = re.compile(r"(?<![\w.:/-])-?\d+(?:,\d{3})*(?:\.\d+)?(?!\d|[:/.,-]\d)")
+
+
+def numbers_in(text: str) -> list[float]:
+    """Every number written in `text` (thousands separators allowed; not inside ids, dates, times)."""
+    return [float(m.group().replace(",", "")) for m in NUMBER.finditer(text)]
+
+
+def dicts_in(value: Any):
+    """Every JSON object inside a parsed response, the response itself included."""
+    if isinstance(value, dict):
+        yield value
+        for v in value.values():
+            yield from dicts_in(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from dicts_in(v)
+
+
+def _source_of(value: Any, earlier: list[tuple[str, dict, Any]]) -> dict | None:
+    """Where an argument value came from: the first exchange whose response holds it (its origin,
+    not a later echo of it such as an optional check_stock), as
+    {"tool", "key", "args" (that call's arguments), "with" (the scalar fields beside the value)};
+    `generate` keeps of args / with only what the request states. Only ids, dates and non-integer
+    numbers are traced (a time or a small count equal to some response leaf is a coincidence more
+    often than a copy)."""
+    if isinstance(value, str):
+        if not _ID_OR_DATE.match(value):
+            return None
+    elif not (isinstance(value, float) and not value.is_integer()):
+        return None
+    for tool, args, resp in earlier:
+        for d in dicts_in(resp):
+            for key, leaf in d.items():
+                if type(leaf) is type(value) and rules.same(value, leaf):
+                    beside = {k: v for k, v in d.items() if k != key and isinstance(v, str)}
+                    return {"tool": tool, "key": key, "args": args, "with": beside}
+    return None
+
+
+def _stated_in(value: Any, prompt: str) -> bool:
+    if isinstance(value, str):
+        return re.search(rf"(?<![\w-]){re.escape(value)}(?![\w-])", prompt, re.IGNORECASE) is not None
+    return any(rules.same(value, x) for x in numbers_in(prompt))
 
 
 @dataclass
@@ -371,12 +451,86 @@ def reschedule(w, rng, s):
                  ("reschedule", title, d1, d2), _domains("calendar"))
 
 
+# ---- level 4 "rules": later responses follow from earlier ones and the documented rules --------
+LIST_NAMES = ["groceries", "packing", "reading", "todo", "gifts"]
+LIST_ITEMS = ["milk", "eggs", "rice", "apples", "tea", "soap", "charger", "socks", "map", "batteries"]
+NOTE_TITLES = ["Call the bank", "Book flights", "Renew passport", "Pay rent", "Water plants", "Team lunch"]
+NOTE_TEXTS = ["before Friday", "ask about fees", "check the deadline", "bring the receipt", "twice a week"]
+
+
+def _amount(rng) -> float:
+    return rng.randint(10, 500) + rng.choice([0, 0.5, 0.25])
+
+
+def deposit_and_confirm(w, rng, s):
+    aid, amount = rng.choice(sorted(w["accounts"])), _amount(rng)
+    s.call("get_balance", account_id=aid)
+    s.call("deposit", account_id=aid, amount=amount)
+    b = s.call("get_balance", account_id=aid)
+    s.answer(f"After the deposit of {_money(amount)} USD, account {aid} has {_money(b['balance'])} USD.")
+    return Draft(f"Check the balance of account {aid}, deposit {_money(amount)} USD into it, then check the "
+                 f"balance again and tell me the new balance.",
+                 money(b["balance"], answer_at("get_balance", "balance")),
+                 ("deposit_and_confirm", aid), _domains("accounts", "ledger"))
+
+
+def foreign_deposit(w, rng, s):
+    aid, cur = rng.choice(sorted(w["accounts"])), rng.choice(["EUR", "GBP", "JPY"])
+    value = rng.randint(5, 300) * (100 if cur == "JPY" else 1)
+    s.call("get_balance", account_id=aid)
+    usd = s.call("exchange", amount=value, from_currency=cur, to_currency="USD")["converted"]
+    s.call("deposit", account_id=aid, amount=usd)
+    b = s.call("get_balance", account_id=aid)
+    s.answer(f"{value} {cur} is {_money(usd)} USD; after depositing it, account {aid} has {_money(b['balance'])} USD.")
+    return Draft(f"Account {aid} holds US dollars. Check its balance, convert {value} {cur} to USD with the "
+                 f"exchange tool, deposit the result into the account, and tell me its new balance.",
+                 money(b["balance"], answer_at("get_balance", "balance")),
+                 ("foreign_deposit", aid, cur), _domains("accounts", "ledger"))
+
+
+def list_then_count(w, rng, s):
+    name, items = rng.choice(LIST_NAMES), rng.sample(LIST_ITEMS, rng.randint(2, 3))
+    for item in items:
+        s.call("add_to_list", list_name=name, item=item)
+    r = s.call("get_list", list_name=name)
+    s.answer(f"Your '{name}' list now has {len(r['items'])} items: {', '.join(r['items'])}.")
+    return Draft(f"Add {', '.join(items[:-1])} and {items[-1]} to my '{name}' list in this order, one item per call, then "
+                 f"read the list back and tell me how many items it has.",
+                 number(len(r["items"]), answer_at("get_list", "items", "#len"), answer_at("add_to_list", "count")),
+                 ("list_then_count", name, tuple(sorted(items))), _domains("ledger"))
+
+
+def note_roundtrip(w, rng, s):
+    title, text = rng.choice(NOTE_TITLES), rng.choice(NOTE_TEXTS)
+    c = s.call("create_note", title=title, text=text)
+    s.call("get_note", note_id=c["note_id"])
+    s.answer(f"Saved the note '{title}' as {c['note_id']}.")
+    return Draft(f"Save a note titled '{title}' with the text '{text}', then open it by its id to check it "
+                 f"was saved, and tell me the note's id.",
+                 token(c["note_id"], answer_at("get_note", "note_id"), answer_at("create_note", "note_id")),
+                 ("note_roundtrip", title, text), _domains("ledger"))
+
+
+def due_date_note(w, rng, s):
+    start = rules.days_added("2026-01-01", rng.randint(0, 330))["date"]
+    days = rng.choice([14, 30, 45, 60, 90])
+    due = s.call("add_days", date=start, days=days)
+    s.call("create_note", title="Invoice due", text=due["date"])
+    s.answer(f"The invoice is due on {due['date']} ({due['weekday']}); I saved a note.")
+    return Draft(f"An invoice dated {start} is due {days} days later. Compute the due date with add_days, save "
+                 f"a note titled 'Invoice due' whose text is the due date, and tell me the due date.",
+                 token(due["date"], answer_at("add_days", "date")),
+                 ("due_date_note", start, days), _domains("ledger"))
+
+
 TEMPLATES: dict[int, list[Callable]] = {
     0: [easy],
     1: [balance_by_id, stock_by_sku, order_status_by_id, convert_units, events_count],
     2: [balance_by_owner, stock_by_name, latest_order_status, event_location, price_in_currency],
     3: [transfer_between_owners, pay_in_currency, order_product, cancel_latest_open_order, reschedule],
+    4: [deposit_and_confirm, foreign_deposit, list_then_count, note_roundtrip, due_date_note],
 }
+RULES_LEVEL = 4           # the "rules" family: `consistent` also checks the documented rules
 
 
 # The tool families each template can use (None: level 0 picks any single tool; `generate` checks
@@ -392,6 +546,9 @@ TEMPLATE_FAMILIES: dict[str, frozenset[str] | None] = {
     "transfer_between_owners": frozenset({"accounts"}), "pay_in_currency": frozenset({"accounts", "convert"}),
     "order_product": frozenset({"shop"}), "cancel_latest_open_order": frozenset({"shop"}),
     "reschedule": frozenset({"calendar"}),
+    "deposit_and_confirm": frozenset({"accounts", "ledger"}), "foreign_deposit": frozenset({"accounts", "ledger"}),
+    "list_then_count": frozenset({"ledger"}), "note_roundtrip": frozenset({"ledger"}),
+    "due_date_note": frozenset({"ledger"}),
 }
 _FAMILY_OF = {t: d for d, ts in DOMAINS.items() for t in ts}
 
@@ -435,9 +592,19 @@ def generate(split: str, level: int, index: int, suite_seed: int = 0,
                 _FAMILY_OF[c["function"]["name"]] for m in script.messages for c in m.get("tool_calls") or []
         } <= families:
             continue
+        for req in script.required:   # an argument the request states is not traced
+            src = {}
+            for k, v in req.pop("sources", {}).items():
+                if _stated_in(req["arguments"][k], draft.prompt):
+                    continue
+                stated = {a: x for a, x in v["args"].items() if _stated_in(x, draft.prompt)}
+                beside = {a: x for a, x in v["with"].items() if _stated_in(x, draft.prompt)}
+                src[k] = {"tool": v["tool"], "key": v["key"], "args": stated, "with": beside}
+            if src:
+                req["sources"] = src
         return {"prompt": draft.prompt, "world_seed": world_seed, "level": level,
                 "template": template.__name__, "tools": draft.tools, "answer": draft.answer,
-                "required_calls": script.required, "n_calls": script.n_calls,
+                "rules": level == RULES_LEVEL, "required_calls": script.required, "n_calls": script.n_calls,
                 "state_digest": state_digest(world), "combo": list(draft.combo),
                 "gold": script.messages}
     raise RuntimeError(f"could not generate task {index} of level {level} ({template.__name__}) for "

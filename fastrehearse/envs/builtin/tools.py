@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from fastrehearse.envs.base import ToolResult
 from fastrehearse.envs.builtin.world import TODAY
+from fastrehearse.envs.builtin import rules
 
 UNITS = {  # unit -> (dimension, factor to the dimension's base unit)
     "m": ("length", 1.0), "km": ("length", 1000.0), "mi": ("length", 1609.344), "ft": ("length", 0.3048),
@@ -74,6 +75,26 @@ SCHEMAS: dict[str, dict] = {s["function"]["name"]: s for s in [
     _fn("convert", "Convert a quantity between units of the same kind (length, mass, currency, temperature).",
         value=("number", "The quantity"), from_unit=(_S, "Unit of value", list(UNITS)),
         to_unit=(_S, "Target unit", list(UNITS))),
+    # The "ledger" tools: every rule their responses follow is stated in their descriptions, so a
+    # world model can predict them from the description and the episode's earlier responses.
+    _fn("deposit", "Deposit money into a bank account (amount in USD, rounded to cents). The account's "
+        "balance grows by exactly that amount. Returns a new deposit id.",
+        account_id=(_S, "Account id, e.g. AC1234"), amount=("number", "Amount in USD (> 0)")),
+    _fn("exchange", "Convert money between currencies at fixed rates: " + rules.RATES_TEXT + ". The result "
+        "is amount * rate(from_currency) / rate(to_currency), rounded to cents.",
+        amount=("number", "Amount of money"), from_currency=(_S, "Currency of amount", list(rules.RATES)),
+        to_currency=(_S, "Target currency", list(rules.RATES))),
+    _fn("add_days", "Add a whole number of days (may be negative) to a date of the Gregorian calendar; "
+        "returns the new date and its weekday (Monday..Sunday).",
+        date=(_S, "Date as YYYY-MM-DD"), days=("integer", "Number of days to add")),
+    _fn("add_to_list", "Add an item to a named list (a list that does not exist yet starts empty). Returns "
+        "the number of items on the list after adding.", list_name=(_S, "Name of the list"),
+        item=(_S, "The item to add")),
+    _fn("get_list", "Get the items of a named list in the order they were added (a list never added to "
+        "is empty).", list_name=(_S, "Name of the list")),
+    _fn("create_note", f"Save a note; it is dated today ({TODAY}). Returns the note's new id.",
+        title=(_S, "Note title"), text=(_S, "Note text")),
+    _fn("get_note", "Get a saved note by its id: its title, text and date.", note_id=(_S, "Note id, e.g. NT9001")),
 ]}
 
 # What each tool's successful response holds (the handlers below): its top-level keys, and the
@@ -98,6 +119,14 @@ RESPONSES: dict[str, dict] = {
                      "echo": {"date": "date", "start": "start", "end": "end"}},
     "cancel_event": {"keys": ["event_id", "status"], "echo": {"event_id": "event_id"}},
     "convert": {"keys": ["value", "unit"], "echo": {"unit": "to_unit"}},
+    "deposit": {"keys": ["deposit_id", "account_id", "amount"],
+                "echo": {"account_id": "account_id", "amount": "amount"}},
+    "exchange": {"keys": ["converted", "currency"], "echo": {"currency": "to_currency"}},
+    "add_days": {"keys": ["date", "weekday"], "echo": {}},
+    "add_to_list": {"keys": ["list_name", "item", "count"], "echo": {"list_name": "list_name", "item": "item"}},
+    "get_list": {"keys": ["list_name", "items"], "echo": {"list_name": "list_name"}},
+    "create_note": {"keys": ["note_id", "title", "created_on"], "echo": {"title": "title"}},
+    "get_note": {"keys": ["note_id", "title", "text", "created_on"], "echo": {"note_id": "note_id"}},
 }
 
 DOMAINS = {
@@ -106,6 +135,7 @@ DOMAINS = {
              "place_order", "cancel_order"],
     "calendar": ["list_events", "get_event", "create_event", "cancel_event"],
     "convert": ["convert"],
+    "ledger": ["deposit", "exchange", "add_days", "add_to_list", "get_list", "create_note", "get_note"],
 }
 
 
@@ -319,6 +349,53 @@ def convert(w, value, from_unit, to_unit):
     if not math.isfinite(out):
         raise _domain("value out of range")
     return {"value": round(out, 4), "unit": to_unit}
+
+
+# ---- ledger: the rules live in envs/builtin/rules.py, shared with the consistent reward ----------
+def deposit(w, account_id, amount):
+    a = _get(w["accounts"], account_id, "account")
+    amount = round(amount, 2)
+    if amount <= 0:
+        raise _domain("amount must be positive")
+    a["balance"] = rules.balance_after(a["balance"], amount)
+    return {"deposit_id": _new_id(w, "DP"), "account_id": account_id.strip().upper(), "amount": amount}
+
+
+def exchange(w, amount, from_currency, to_currency):
+    return {"converted": rules.exchanged(amount, from_currency, to_currency), "currency": to_currency}
+
+
+def add_days(w, date, days):
+    try:
+        return rules.days_added(_check_date(date), days)
+    except ValueError as e:          # 2026-02-30, or past year 9999
+        raise _domain(str(e)) from None
+
+
+def add_to_list(w, list_name, item):
+    key, item = rules.list_key(list_name), item.strip()
+    if not key or not item:
+        raise _domain("list_name and item must not be empty")
+    items = w.setdefault("lists", {}).setdefault(key, [])
+    items.append(item)
+    return {"list_name": list_name.strip(), "item": item, "count": len(items)}
+
+
+def get_list(w, list_name):
+    return {"list_name": list_name.strip(), "items": list(w.get("lists", {}).get(rules.list_key(list_name), []))}
+
+
+def create_note(w, title, text):
+    title, text = title.strip(), text.strip()
+    if not title:
+        raise _domain("title must not be empty")
+    nid = _new_id(w, "NT")
+    w.setdefault("notes", {})[nid] = {"title": title, "text": text, "created_on": TODAY}
+    return {"note_id": nid, "title": title, "created_on": TODAY}
+
+
+def get_note(w, note_id):
+    return {"note_id": note_id.strip().upper(), **_get(w.get("notes", {}), note_id, "note")}
 
 
 HANDLERS: dict[str, Callable[..., dict]] = {n: globals()[n] for n in SCHEMAS}
