@@ -19,6 +19,7 @@ SUITES = {
     "builtin": ("fastrehearse.envs.builtin", "BuiltinSuite"),
     "bfcl": ("fastrehearse.envs.bfcl", "BfclSuite"),
     "tau2": ("fastrehearse.envs.tau2", "Tau2Suite"),
+    "mcp": ("fastrehearse.envs.mcptools", "McpSuite"),
 }
 
 

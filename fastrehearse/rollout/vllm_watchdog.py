@@ -26,6 +26,10 @@ start its engine with fork) inherits the pipe's write end, so EOF would only com
 itself is gone. psutil's process identity includes the start time, so a reused pid is never
 mistaken for the owner or an engine process.
 
+The MCP suite's servers use the same script (fastrehearse/envs/mcptools/client.py): their pids
+are sent as "engine PID ..." lines whenever the set of live servers changes; EXPORT_DIR is then the
+owner's MCP scratch folder.
+
 Run by file path with `python -I` (no script-directory import path, no package import): stdlib and
 psutil only (psutil is a vLLM dependency), a few MB, started in its own session so a signal sent to
 the owner's process group does not take it down with the owner.
@@ -143,8 +147,8 @@ def main(argv: list[str]) -> int:
     why = watch(int(owner), export_dir, {int(p) for p in pre})
     if why == "owner died":
         try:   # the owner's stderr may be gone with it: the cleanup above does not depend on this line
-            print(f"fastrehearse vllm watchdog: owner process {owner} died; stopped its vLLM engine "
-                  f"processes and removed {export_dir}", file=sys.stderr, flush=True)
+            print(f"fastrehearse watchdog: owner process {owner} died; stopped the processes it had "
+                  f"started (vLLM engine or MCP servers) and removed {export_dir}", file=sys.stderr, flush=True)
         except OSError:
             pass
     return 0
