@@ -119,7 +119,7 @@ def test_episodes_are_isolated(tmp_path):
         s.close()
 
 
-def _engine_rollout(s, mode):
+def _engine_rollout(s, mode, measure_fidelity=False):
     from fastrehearse.rollout import RolloutConfig, RolloutEngine
     from fastrehearse.rollout.policy import ScriptedPolicy
     from fastrehearse.rollout.template import assistant_text
@@ -128,7 +128,8 @@ def _engine_rollout(s, mode):
     call = assistant_text({"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": "get_item", "arguments": {"sku": "SK201"}}}]})
     eng = RolloutEngine(tiny_llama(len(tok)), tok, RolloutConfig(mode=mode, max_new_tokens=8, max_turns=1,
-                                                                 max_episode_tokens=2048))
+                                                                 max_episode_tokens=2048,
+                                                                 measure_fidelity=measure_fidelity))
     return eng.rollout(s.tasks("train", limit=2), s, group_size=2, policy=ScriptedPolicy([call]))
 
 
@@ -144,6 +145,11 @@ def test_rehearsed_calls_never_reach_the_server(tmp_path):
     assert [c["mode"] for e in res.episodes for c in e.metadata["calls"]] == ["real"] * 4
     assert [x["tool"] for x in log_lines(log)] == ["get_item"] * 4
     assert set(client.REGISTRY.servers) == before     # per-episode servers stopped with their episodes
+    # fidelity measurement executes each rehearsed call for real and scores the rehearsed response
+    res = _engine_rollout(s, "rehearse", measure_fidelity=True)
+    fid = [f for e in res.episodes for f in e.metadata["fidelity"]]
+    assert [f["tool"] for f in fid] == ["get_item"] * 4 and all(0 <= f["field_f1"] <= 1 for f in fid)
+    assert [x["tool"] for x in log_lines(log)] == ["get_item"] * 8
     s.close()
 
 
@@ -273,6 +279,7 @@ def test_train_hybrid_with_sft_and_real_eval_fidelity(tmp_path):
     assert [r["stage"] for r in rows if r.get("stage") in ("sft", "rl")] == ["sft", "rl"]
     tools = [x["tool"] for x in log_lines(log)]
     assert "reset" in tools and len(tools) > 2     # gold calls (SFT) and the real eval reached the server
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text()) \
-        if (tmp_path / "run" / "summary.json").exists() else None
-    assert summary is None or "eval_after" in json.dumps(summary)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    # evaluated on the real server; fidelity measured (NaN here: the random model writes no call)
+    assert summary["suite"] == "mcp" and summary["n_eval"] == 2 and summary["success_after"] is not None
+    assert "fidelity_after" in summary
