@@ -283,3 +283,45 @@ def test_train_hybrid_with_sft_and_real_eval_fidelity(tmp_path):
     # evaluated on the real server; fidelity measured (NaN here: the random model writes no call)
     assert summary["suite"] == "mcp" and summary["n_eval"] == 2 and summary["success_after"] is not None
     assert "fidelity_after" in summary
+
+
+def _eval_config(tmp_path, log):
+    cfg = yaml.safe_load((ROOT / "configs" / "mcp_example.yaml").read_text())
+    cfg["env"]["options"].update(server=["python", str(EXAMPLE / "server.py"), "--db", "{episode_dir}/i.sqlite",
+                                         "--log", str(log)], tasks="tasks.jsonl")
+    (tmp_path / "tasks.jsonl").write_text((EXAMPLE / "tasks.jsonl").read_text())
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    return tmp_path / "c.yaml"
+
+
+def test_eval_config_gold_replays_against_the_real_server(tmp_path):
+    from fastrehearse.eval import cli
+    log = tmp_path / "calls.jsonl"
+    conf = _eval_config(tmp_path, log)
+    out = tmp_path / "gold"
+    assert cli.main(["--config", str(conf), "--policy", "gold", "--limit", "4", "--out", str(out), "--quiet"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["suite"] == "mcp" and res["n"] == 4 and res["overall"] == 1.0 and list(res["categories"]) == ["test"]
+    tools = [x["tool"] for x in log_lines(log)]
+    assert tools.count("reset") >= 4 and len(tools) > 8    # gold trajectories + their replay, for real
+    # flags override the config; --suite and --config exclude each other
+    args = cli.build_parser().parse_args(["--config", str(conf), "--policy", "gold", "--out", "x", "--max-turns", "2"])
+    cli.load_train_config(args)
+    assert (args.max_turns, args.max_new_tokens, args.max_episode_tokens) == (2, 96, 1536)
+    assert args.measure_fidelity is True                     # the example config's eval.fidelity
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args(["--config", str(conf), "--suite", "builtin", "--policy", "gold", "--out", "x"])
+    assert e.value.code == 2
+
+
+def test_eval_config_measure_fidelity_with_a_model(tmp_path):
+    from fastrehearse.eval import cli
+    conf = _eval_config(tmp_path, tmp_path / "calls.jsonl")
+    out = tmp_path / "tiny"
+    assert cli.main(["--config", str(conf), "--policy", "tiny-llama", "--limit", "2", "--max-new-tokens", "8",
+                     "--max-turns", "1", "--measure-fidelity", "--out", str(out), "--quiet"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["fidelity_measured"] is True and res["n"] == 2
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"env": {"suite": "mcp", "options": {"server": ["python", "nothing.py"]}}}))
+    assert cli.main(["--config", str(bad), "--policy", "gold", "--out", str(tmp_path / "b"), "--quiet"]) == 2
