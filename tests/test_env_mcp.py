@@ -325,3 +325,82 @@ def test_eval_config_measure_fidelity_with_a_model(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"env": {"suite": "mcp", "options": {"server": ["python", "nothing.py"]}}}))
     assert cli.main(["--config", str(bad), "--policy", "gold", "--out", str(tmp_path / "b"), "--quiet"]) == 2
+
+
+NOTES = '''
+import json, os, sys
+from mcp.server import MCPServer
+app = MCPServer("notes")
+LOG = sys.argv[1]
+
+def log(tool, **a):
+    with open(LOG, "a") as f:
+        f.write(json.dumps({"tool": tool, "arguments": a, "pid": os.getpid()}) + "\\n")
+
+@app.tool()
+def add_note(text: str, store: str) -> dict:
+    """Add a note."""
+    log("add_note", text=text, store=store)
+    with open(os.path.join(store, "notes.txt"), "a") as f:
+        f.write(text + "\\n")
+    return {"count": len(open(os.path.join(store, "notes.txt")).read().splitlines())}
+
+@app.tool()
+def count_notes(store: str) -> dict:
+    """Count the notes."""
+    log("count_notes", store=store)
+    p = os.path.join(store, "notes.txt")
+    return {"count": len(open(p).read().splitlines()) if os.path.exists(p) else 0}
+
+@app.tool()
+def echo(text: str) -> dict:
+    """Echo."""
+    log("echo", text=text)
+    return {"text": text}
+
+app.run()
+'''
+
+
+def test_shared_server_isolations_argument_and_stateless(tmp_path):
+    (tmp_path / "notes.py").write_text(NOTES)
+    (tmp_path / "tasks.jsonl").write_text(json.dumps({"id": "n1", "prompt": "Add a note.", "check": {
+        "type": "number", "value": 1, "source": {"tool": "add_note", "field": "count"}},
+        "gold_calls": [{"name": "add_note", "arguments": {"text": "hi"}}]}) + "\n")
+    log = tmp_path / "calls.jsonl"
+    s = get_suite("mcp", server=["python", "notes.py", str(log)], isolation="argument:store", config_dir=str(tmp_path))
+    assert s.schemas["add_note"]["function"]["parameters"]["properties"] == {"text": {"type": "string"}}
+    task = s.tasks("train")[0]
+    assert replay_gold(s, task).score == 1.0
+    a, b = s.make_env(), s.make_env()
+    a.reset(task)
+    b.reset(task)
+    assert a.execute(ToolCall("add_note", {"text": "x"})).content == '{"count":1}'
+    assert a.execute(ToolCall("add_note", {"text": "y"})).content == '{"count":2}'
+    assert b.execute(ToolCall("count_notes", {})).content == '{"count":0}'      # b's own folder
+    assert b.execute(ToolCall("echo", {"text": "e"})).content == '{"text":"e"}'  # no store parameter: none added
+    assert not b.execute(ToolCall("count_notes", {"store": "/tmp"})).ok          # the agent cannot pick a folder
+    a.close()
+    b.close()
+    calls = log_lines(log)
+    assert len({c["pid"] for c in calls}) == 1                                  # one server for all episodes
+    assert len({c["arguments"].get("store") for c in calls if c["tool"] != "echo"}) == 4   # gold, replay, a, b
+    s.close()
+    with pytest.raises(ValueError, match="isolation=argument:folder: no tool of the server has a parameter 'folder'"):
+        get_suite("mcp", server=["python", "notes.py", str(log)], isolation="argument:folder", config_dir=str(tmp_path))
+    (tmp_path / "echo.jsonl").write_text(json.dumps({"id": "e1", "prompt": "Echo z.", "check": {
+        "type": "exact", "value": "z"}}) + "\n")
+    with pytest.raises(ValueError, match=r"task 'n1' names tool\(s\) \['add_note'\] the server does not expose"):
+        get_suite("mcp", server=["python", "notes.py", str(log)], isolation="stateless", config_dir=str(tmp_path),
+                  tools=["echo"])
+    st = get_suite("mcp", server=["python", "notes.py", str(log)], isolation="stateless", config_dir=str(tmp_path),
+                   tools=["echo"], tasks="echo.jsonl")
+    task = st.tasks("train")[0]
+    assert list(st.schemas) == ["echo"]
+    envs = [st.make_env() for _ in range(3)]
+    for e in envs:
+        e.reset(task)
+        assert e.execute(ToolCall("echo", {"text": "z"})).ok
+        e.close()
+    assert len({c["pid"] for c in log_lines(log) if c["tool"] == "echo" and c["arguments"]["text"] == "z"}) == 1
+    st.close()

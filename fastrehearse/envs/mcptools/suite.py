@@ -13,9 +13,9 @@ Episodes never share state (the env protocol's promise); `isolation` says how (d
   reset:TOOL     a pool of servers reused one episode at a time: an episode takes an idle server
                  at its first real call and calls TOOL (no arguments) on it first; TOOL is never
                  shown to the agent. "{episode_dir}" is a folder per pooled server
-  argument:NAME  one server for all episodes; every call gets the argument NAME = the episode's own
-                 fresh folder (the server keeps each episode's state there); NAME is removed from
-                 the schemas the agent sees
+  argument:NAME  one server for all episodes; every call of a tool that has the parameter NAME
+                 gets NAME = the episode's own fresh folder (the server keeps each episode's state
+                 there); NAME is removed from the schemas the agent sees
   stateless      one server for all episodes: the server keeps no state between calls
 """
 from __future__ import annotations
@@ -141,7 +141,7 @@ class McpEnv(ToolEnv):
                               ok=False, error_kind="bad_arguments")
         args = dict(call.arguments)
         kind, arg = self.suite.isolation
-        if kind == "argument":
+        if kind == "argument" and call.name in self.suite.with_episode_arg:
             if arg in args:
                 return ToolResult(json.dumps({"error": f"{call.name} has no parameter {arg!r}"}), ok=False,
                                   error_kind="bad_arguments")
@@ -272,6 +272,7 @@ class McpSuite(Suite):
         self.schemas: dict[str, dict] = {}
         self.output_schemas: dict[str, dict | None] = {}
         self.input_schemas: dict[str, dict] = {}
+        self.with_episode_arg: set[str] = set()     # argument:NAME: the tools that take NAME
         names = [t.name for t in listed]
         if kind == "reset" and arg not in names:
             raise ValueError(f"isolation=reset:{arg}: the server has no tool {arg!r}; it lists {names}")
@@ -279,10 +280,9 @@ class McpSuite(Suite):
             if kind == "reset" and t.name == arg:
                 continue
             params = clean_schema(copy.deepcopy(t.input_schema or {"type": "object", "properties": {}}))
-            if kind == "argument":
-                props = params.get("properties") or {}
-                if arg not in props:
-                    raise ValueError(f"isolation=argument:{arg}: tool {t.name!r} has no parameter {arg!r}")
+            props = params.get("properties") or {}
+            if kind == "argument" and arg in props:
+                self.with_episode_arg.add(t.name)
                 props.pop(arg)
                 params["required"] = [r for r in params.get("required", []) if r != arg]
                 if not params["required"]:
@@ -291,6 +291,8 @@ class McpSuite(Suite):
             self.output_schemas[t.name] = t.output_schema
             self.schemas[t.name] = {"type": "function", "function": {
                 "name": t.name, "description": (t.description or "").strip(), "parameters": params}}
+        if kind == "argument" and not self.with_episode_arg:
+            raise ValueError(f"isolation=argument:{arg}: no tool of the server has a parameter {arg!r}")
         if only is not None:
             missing = [n for n in only if n not in self.schemas]
             if missing:
