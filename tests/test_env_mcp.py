@@ -75,7 +75,7 @@ def test_real_calls_and_every_gold_trajectory(suite):
 
 
 def test_errors_nontext_crash_and_timeout_are_the_calls_text(suite):
-    s, log = suite
+    s, _ = suite
     env = s.make_env()
     env.reset(s.tasks("train", limit=1)[0])
     err = env.execute(ToolCall("get_item", {"sku": "nope"}))           # an MCP error result

@@ -319,15 +319,11 @@ class Server:
     def call(self, name: str, arguments: dict[str, Any]) -> CallOutcome:
         """One tools/call. A crashed server is restarted first (its state is gone: the outcome of
         a later call says so only through the tool's own answers). Never raises."""
-        restarted = None
-        if not self.alive:
-            restarted, was = self.crashed, self.starts
+        if not self.alive:     # first call (lazy start), or the server crashed before
             try:
                 self.start()
             except ServerStartError as e:
                 return CallOutcome(json.dumps({"error": str(e)}), False, "server_start")
-            if was == 0:
-                restarted = None
         session = self.session
         timeout = self.call_timeout
 
@@ -351,8 +347,6 @@ class Server:
         text = content_text(res)
         if res.is_error:
             return CallOutcome(json.dumps({"error": text}, ensure_ascii=False), False, "tool_error")
-        if restarted:
-            pass   # the response itself is real; the crash was reported by the call that saw it
         return CallOutcome(text, True)
 
     def _timeout(self, name: str) -> CallOutcome:

@@ -354,8 +354,8 @@ class McpSuite(Suite):
         if c["type"] == "number" and float(value).is_integer():
             answer = str(int(value))
         msgs.append({"role": "assistant", "content": answer})
-        if c.get("source") and self._source_value(msgs, c["source"])[0]:
-            found, got = self._source_value(msgs, c["source"])
+        found, got = self._source_value(msgs, c["source"]) if c.get("source") else (False, None)
+        if found:     # the task's value agrees with the real response it is copied from
             if check_answer(c, got if isinstance(got, str) else json.dumps(got), value) < 1:
                 raise ValueError(f"tasks: task {row['id']!r}: check.value {value!r} but the real response of "
                                  f"{c['source']['tool']} has {c['source']['field']} = {got!r}")
