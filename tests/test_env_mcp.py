@@ -404,3 +404,36 @@ def test_shared_server_isolations_argument_and_stateless(tmp_path):
         e.close()
     assert len({c["pid"] for c in log_lines(log) if c["tool"] == "echo" and c["arguments"]["text"] == "z"}) == 1
     st.close()
+
+
+def test_url_streamable_http_server(tmp_path):
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tmp_path / "calls.jsonl"
+    p = subprocess.Popen([sys.executable, str(EXAMPLE / "server.py"), "--db", str(tmp_path / "i.sqlite"), "--log",
+                          str(log), "--http", str(port)], stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.2)
+        url = f"http://127.0.0.1:{port}/mcp"
+        with pytest.raises(ValueError, match="with url .* say isolation: stateless or argument:NAME"):
+            get_suite("mcp", url=url, tasks=str(EXAMPLE / "tasks.jsonl"))
+        s = get_suite("mcp", url=url, tasks=str(EXAMPLE / "tasks.jsonl"), isolation="stateless")
+        assert "get_item" in s.schemas and s.response_spec("get_item")["keys"][0] == "sku"
+        env = s.make_env()
+        env.reset(s.tasks("test", limit=1)[0])
+        r = env.execute(ToolCall("get_item", {"sku": "SK302"}))
+        assert r.ok and json.loads(r.content)["name"] == "tea kettle"
+        env.close()
+        s.close()
+        assert [(x["tool"], x["pid"]) for x in log_lines(log)] == [("get_item", p.pid)]
+        assert p.poll() is None            # a server someone else runs is left running
+    finally:
+        p.terminate()
+        p.wait(timeout=30)

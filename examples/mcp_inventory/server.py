@@ -182,8 +182,14 @@ def main() -> None:
     p.add_argument("--db", required=True)
     p.add_argument("--log", default=None)
     p.add_argument("--faults", action="store_true")
+    p.add_argument("--http", type=int, default=None, metavar="PORT",
+                   help="serve streamable HTTP on 127.0.0.1:PORT/mcp instead of stdio")
     a = p.parse_args()
-    build(a.db, a.log, a.faults).run()
+    app = build(a.db, a.log, a.faults)
+    if a.http is None:
+        app.run()
+    else:
+        app.run(transport="streamable-http", host="127.0.0.1", port=a.http)
 
 
 if __name__ == "__main__":

@@ -199,11 +199,13 @@ def _compact(text: str) -> str:
 class Server:
     """One MCP server process and its client session (module docstring)."""
 
-    def __init__(self, command: list[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
-                 call_timeout: float = 30.0, start_timeout: float = 30.0, log: Path | None = None):
-        if not command:
-            raise ValueError("server: an empty command")
-        self.command = list(command)
+    def __init__(self, command: list[str] | None = None, *, url: str | None = None, cwd: str | None = None,
+                 env: dict[str, str] | None = None, call_timeout: float = 30.0, start_timeout: float = 30.0,
+                 log: Path | None = None):
+        if bool(command) == bool(url):
+            raise ValueError("server: a stdio command or a url (streamable HTTP), exactly one")
+        self.url = url                  # a server someone else runs: nothing to start or stop but the session
+        self.command = list(command) if command else [url]
         self.cwd, self.env = cwd, dict(env or {})
         self.call_timeout, self.start_timeout = call_timeout, start_timeout
         self.log = log
@@ -241,8 +243,9 @@ class Server:
             raise ServerStartError(f"MCP server {_describe(self.command)} could not start: {msg}"
                                    f"{self._stderr_tail()}") from None
         self.starts += 1
-        self.pid = _child_with_marker(marker)
-        REGISTRY.add(self)
+        if not self.url:
+            self.pid = _child_with_marker(marker)
+            REGISTRY.add(self)
 
     async def _open(self, marker: str) -> None:
         ready = asyncio.get_running_loop().create_future()
@@ -252,11 +255,15 @@ class Server:
 
     async def _serve(self, marker: str, ready: asyncio.Future) -> None:
         from mcp import ClientSession, StdioServerParameters, stdio_client
-        params = StdioServerParameters(command=self.command[0], args=self.command[1:], cwd=self.cwd,
-                                       env={**self.env, MARKER: marker})
         errlog = open(self.log, "a") if self.log else open(os.devnull, "w")
+        if self.url:
+            from mcp.client.streamable_http import streamable_http_client
+            transport = streamable_http_client(self.url)
+        else:
+            transport = stdio_client(StdioServerParameters(command=self.command[0], args=self.command[1:], cwd=self.cwd,
+                                                           env={**self.env, MARKER: marker}), errlog=errlog)
         try:
-            async with stdio_client(params, errlog=errlog) as (r, w):
+            async with transport as (r, w, *_):
                 async with ClientSession(r, w) as session:
                     await session.initialize()
                     self.session = session
@@ -340,7 +347,7 @@ class Server:
             if self._process_gone() or "connection closed" in text.lower():
                 self.crashed = self.crashed or text or type(e).__name__
                 self.stop()
-                return CallOutcome(json.dumps({"error": f"the tool server crashed during {name} "
+                return CallOutcome(json.dumps({"error": f"the tool server {'connection closed' if self.url else 'crashed'} during {name} "
                                                         f"({self.crashed}); it is restarted at the next call "
                                                         f"(what it held in memory is lost)"}), False, "server_crashed")
             return CallOutcome(json.dumps({"error": f"{name}: {text or type(e).__name__}"}), False, "tool_error")
@@ -354,7 +361,7 @@ class Server:
                                                 f"{self.call_timeout:g} s"}), False, "timeout")
 
     def _process_gone(self) -> bool:
-        if self.pid is None:
+        if self.url or self.pid is None:
             return self.session is None
         try:
             import psutil

@@ -174,6 +174,8 @@ class McpEnv(ToolEnv):
 class McpSuite(Suite):
     """An MCP server's tools and a task file (fastrehearse.envs.mcptools.tasks) as a suite.
 
+    url: instead of `server`, the endpoint of a streamable-HTTP server someone else runs (isolation
+        must then be stateless or argument:NAME: nothing here starts or stops it).
     server: the stdio command, a list (or one string split on spaces); run in `config_dir`. A
         first word "python" / "python3" is this process's own interpreter (sys.executable), so
         the server sees the packages the trainer sees.
@@ -193,22 +195,33 @@ class McpSuite(Suite):
     name = "mcp"
     reward_modes = ("real", "consistent", "calls")
 
-    def __init__(self, server: list[str] | str | None = None, tasks: str = "tasks.jsonl",
-                 isolation: str = "process", side_effect_free: bool = False, call_timeout: float = 30.0,
+    def __init__(self, server: list[str] | str | None = None, tasks: str = "tasks.jsonl", url: str | None = None,
+                 isolation: str | None = None, side_effect_free: bool = False, call_timeout: float = 30.0,
                  start_timeout: float = 30.0, env: dict | None = None, system: str | None = None,
                  tools: list[str] | None = None, with_gold: bool = True, config_dir: str | None = None):
         if isinstance(server, str):
             server = server.split()
+        if (server is None) == (url is None):
+            raise ValueError("server / url: give exactly one (a stdio command, or the url of a running "
+                             "streamable-HTTP server)")
+        self.url = url
+        if url is not None:
+            if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+                raise ValueError(f"url: an http(s) URL such as http://127.0.0.1:8000/mcp, got {url!r}")
+            if isolation is None or isolation.partition(":")[0] not in ("stateless", "argument"):
+                raise ValueError(f"isolation={isolation!r}: with url (one server that others run) episodes are "
+                                 f"isolated only by the server: say isolation: stateless or argument:NAME")
+            server = [url]
         if not (isinstance(server, list) and server and all(isinstance(x, (str, int, float)) for x in server)):
             raise ValueError(f"server: a stdio command as a list, e.g. [python, my_server.py], got {server!r}")
         self.command = [str(x) for x in server]
-        if self.command[0] in ("python", "python3"):   # the trainer's own interpreter and packages
+        if url is None and self.command[0] in ("python", "python3"):   # the trainer's own interpreter
             self.command[0] = sys.executable
         for k, v in (("call_timeout", call_timeout), ("start_timeout", start_timeout)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{k}: seconds > 0, got {v!r}")
         self.call_timeout, self.start_timeout = float(call_timeout), float(start_timeout)
-        self.isolation = _parse_isolation(isolation)
+        self.isolation = _parse_isolation(isolation or "process")
         self.side_effect_free = bool(side_effect_free)
         if env is not None and not (isinstance(env, dict) and all(isinstance(v, str) for v in env.values())):
             raise ValueError(f"env: a mapping of environment variables to strings, got {env!r}")
@@ -231,6 +244,8 @@ class McpSuite(Suite):
 
     def make_server(self, folder: Path) -> Server:
         """A server (not started) whose "{episode_dir}" is `folder`."""
+        if self.url is not None:
+            return Server(url=self.url, call_timeout=self.call_timeout, start_timeout=self.start_timeout)
         cmd = [x.replace(PLACEHOLDER, str(folder)) for x in self.command]
         return Server(cmd, cwd=str(self.dir), env=self.env, call_timeout=self.call_timeout,
                       start_timeout=self.start_timeout, log=folder / "server.stderr")
