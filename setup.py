@@ -20,6 +20,10 @@ train = [
     "rich",
     "matplotlib",
     "numpy",
+    # The `mcp` suite (any MCP server as an environment): the SDK's 2.x client API, and psutil for
+    # the watchdog that stops its servers when the trainer is killed.
+    "mcp>=2.3,<3",
+    "psutil",
 ]
 
 setup(

@@ -169,7 +169,8 @@ def test_protocol_defaults_and_type_check():
 
 
 def test_unknown_suite_is_a_one_line_error():
-    with pytest.raises(ValueError, match=r"unknown suite 'nope'; available: \['bfcl', 'builtin', 'tau2'\]"):
+    with pytest.raises(ValueError, match=r"unknown suite 'nope'; available: \['bfcl', 'builtin', 'mcp', 'tau2'\] or an import "
+                                         r"path 'package.module:Class'"):
         get_suite("nope")
 
 

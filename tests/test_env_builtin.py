@@ -300,9 +300,10 @@ def test_missing_suite_module_is_a_clear_error(monkeypatch):
 
 
 def test_importing_envs_does_not_import_benchmarks():
-    code = "import sys, fastrehearse.envs; print('bfcl_eval' in sys.modules, 'tau2' in sys.modules)"
+    code = ("import sys, fastrehearse.envs; print('bfcl_eval' in sys.modules, 'tau2' in sys.modules, "
+            "'mcp' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "False"]
+    assert out.split() == ["False", "False", "False"]
 
 
 @settings(max_examples=60, deadline=None)

@@ -129,7 +129,8 @@ class Suite(ABC):
     `reward_modes` and implements `task_reward` (e.g. "consistent": inside the episode's own,
     possibly rehearsed, world). `response_spec(tool)` describes a tool's successful response
     ({"keys": [...], "echo": {output key: argument}}) for the world-model reward's format term;
-    None when the suite does not say."""
+    None when the suite does not say. `check_reward` and `costly_calls` are optional checks the
+    trainer asks before it starts (defaults: nothing to refuse, calls are cheap)."""
     name: str
     reward_modes: tuple[str, ...] = ("real",)
 
@@ -145,3 +146,14 @@ class Suite(ABC):
 
     def response_spec(self, tool: str) -> dict | None:
         return None
+
+    def check_reward(self, mode: str, tasks: list[Task]) -> None:
+        """Refuse (ValueError, one line) a task reward some of `tasks` cannot be graded by (an MCP
+        task without `check.source` under "consistent"); called before training starts."""
+
+    @classmethod
+    def costly_calls(cls, options: dict) -> bool:
+        """True when executing a call for real may cost money or have side effects (an MCP server
+        not declared free of them): the trainer then measures no fidelity (which executes every
+        rehearsed call) unless the config asks for it. Decided from the options, before building."""
+        return False

@@ -4,6 +4,7 @@
   fastrehearse eval --suite builtin --policy smollm2 --limit 20 --rehearsal-budget 2 --out runs/eval/smol-r2
   fastrehearse eval --suite builtin --policy smollm2 --rehearsal-budget 2 --rehearsal-commit select ...
   fastrehearse eval --suite builtin --policy runs/demo/export --drift rename,units --out runs/eval/drift
+  fastrehearse eval --config configs/mcp_example.yaml --policy gold --out runs/eval/mcp-gold
 
 Every item runs as one episode of the rollout engine (fastrehearse.rollout, the driver training
 uses), scored by the benchmark's own checker. Writes OUT/items.jsonl (one line per finished item,
@@ -33,10 +34,16 @@ from fastrehearse.rollout.engine import CUT_OUTCOMES, MALFORMED_OUTCOMES
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fastrehearse eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", required=True, choices=suites.SUITES)
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--suite", choices=suites.SUITES)
+    which.add_argument("--config", help="a trainer config (YAML): evaluate its env (any suite, its options, "
+                       "e.g. an MCP server) on its env.eval_split, with its rollout limits, seed and eval "
+                       "temperature; the flags given here override them")
+    p.set_defaults(given=frozenset())
     p.add_argument("--categories", nargs="+", default=None,
                    help="builtin: splits (default test); bfcl: categories (default: all 8 single-turn "
-                        "AST + 4 multi-turn); tau2: domains (default telecom). Commas also separate.")
+                        "AST + 4 multi-turn); tau2: domains (default telecom); --config: splits of its "
+                        "suite (default: its env.eval_split). Commas also separate.")
     p.add_argument("--policy", required=True,
                    help="'gold' (replay ground truth), or a model spec for fastrehearse.model.load_model: "
                         "an HF dir (e.g. a trainer export), a .gguf, 'smollm2', 'tiny-llama', ...")
@@ -58,32 +65,32 @@ def build_parser() -> argparse.ArgumentParser:
                         "the real one (on by default with --drift and a model policy)")
     p.add_argument("--out", required=True, help="run directory (resumable)")
     # engine settings: the names and defaults of fastrehearse.rollout.RolloutConfig (EVAL_ROLLOUT)
-    p.add_argument("--batch-size", type=int, default=EVAL_ROLLOUT.max_batch_size,
+    p.add_argument("--batch-size", action=_Given, type=int, default=EVAL_ROLLOUT.max_batch_size,
                    help="episodes decoded together (the engine's max_batch_size)")
-    p.add_argument("--max-turns", MAX_STEPS_ALIAS, dest="max_turns", type=int, default=None,
+    p.add_argument("--max-turns", MAX_STEPS_ALIAS, dest="max_turns", type=int, default=None, action=_Given,
                    help="agent turns per user turn (the engine's max_turns; default: bfcl 20 as BFCL's "
                         f"own limit, builtin 12, tau2 16); --policy gold is never cut. "
                         f"{MAX_STEPS_ALIAS}: its old name, still accepted")
-    p.add_argument("--max-new-tokens", type=int, default=EVAL_ROLLOUT.max_new_tokens,
+    p.add_argument("--max-new-tokens", action=_Given, type=int, default=EVAL_ROLLOUT.max_new_tokens,
                    help="tokens per agent turn and per rehearsed response")
-    p.add_argument("--on-max-new-tokens", choices=CUT_OUTCOMES, default=EVAL_ROLLOUT.on_max_new_tokens,
+    p.add_argument("--on-max-new-tokens", action=_Given, choices=CUT_OUTCOMES, default=EVAL_ROLLOUT.on_max_new_tokens,
                    help="a turn cut by --max-new-tokens: closed as written (end_turn, as BFCL's runner "
                         "does) or the episode ends")
-    p.add_argument("--on-malformed", choices=MALFORMED_OUTCOMES, default=EVAL_ROLLOUT.on_malformed,
+    p.add_argument("--on-malformed", action=_Given, choices=MALFORMED_OUTCOMES, default=EVAL_ROLLOUT.on_malformed,
                    help="a malformed tool call: the agent sees a JSON error (error_response) or the "
                         "episode ends")
-    p.add_argument("--max-episode-tokens", type=int, default=None,
+    p.add_argument("--max-episode-tokens", action=_Given, type=int, default=None,
                    help="tokens per episode, prompt included (default: the model's context length); "
                         "an item whose prompt alone does not fit is an error, never truncated")
-    p.add_argument("--temperature", type=float, default=EVAL_ROLLOUT.temperature,
+    p.add_argument("--temperature", action=_Given, type=float, default=EVAL_ROLLOUT.temperature,
                    help="committed turns (0 = greedy)")
     p.add_argument("--rehearsal-temperature", type=float, default=0.7,
                    help="private rehearsal drafts (sampled, so parallel drafts differ)")
     p.add_argument("--rehearsal-cache-gib", type=float, default=DEFAULT_PREFIX_CACHE_BYTES / 2**30,
                    help="prefix KV cache shared by the private rehearsals, so a turn's drafts prefill "
                         "the context once and the next turn only its new tokens (0 = off: re-prefill)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", choices=BACKENDS, default=EVAL_ROLLOUT.backend,
+    p.add_argument("--seed", action=_Given, type=int, default=0)
+    p.add_argument("--backend", action=_Given, choices=BACKENDS, default=EVAL_ROLLOUT.backend,
                    help="generation backend: hf (transformers, the engine's sampler) or vllm (one vLLM "
                         "instance; rehearsal drafts share it). results.json records backend, "
                         "backend_startup_s and rollout_s")
@@ -97,6 +104,44 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 MAX_STEPS_ALIAS = "--max-steps"
+
+
+class _Given(argparse.Action):
+    """Stores the value and records the flag as given (`args.given`): with --config, the flags
+    not given take the config's values."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = frozenset(namespace.given) | {self.dest}
+
+
+# flag (args attribute) -> where a trainer config holds it
+CONFIG_FLAGS = {"max_turns": "rollout.max_turns", "max_new_tokens": "rollout.max_new_tokens",
+                "on_max_new_tokens": "rollout.on_max_new_tokens", "on_malformed": "rollout.on_malformed",
+                "max_episode_tokens": "rollout.max_episode_tokens", "temperature": "eval.temperature",
+                "seed": "seed", "backend": "rollout.backend", "batch_size": "rollout.max_batch_size"}
+
+
+def load_train_config(args: argparse.Namespace):
+    """--config: the trainer config (checked as `fastrehearse train` checks it); the flags not given
+    take its values, --measure-fidelity its eval.fidelity (off for MCP servers unless the config
+    or the flag asks: fidelity executes every rehearsed call for real)."""
+    from fastrehearse.train.config import ConfigError, check_env, load_config
+    try:
+        cfg = load_config(args.config)
+        check_env(cfg)
+    except ConfigError as e:
+        raise UsageError(f"--config {args.config}: {e}") from None
+    for flag, key in CONFIG_FLAGS.items():
+        if flag not in args.given:
+            value = cfg
+            for part in key.split("."):
+                value = getattr(value, part)
+            setattr(args, flag, value)
+    if not args.measure_fidelity:
+        args.measure_fidelity = bool(cfg.eval.fidelity)
+    args.suite = cfg.env.suite
+    return cfg
 
 
 class UsageError(ValueError):
@@ -275,11 +320,15 @@ def check_args(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace, loaded=None) -> dict[str, Any]:
     """Run one eval; returns the results.json content. `loaded`: see make_policy."""
     check_args(args)
+    train_cfg = load_train_config(args) if args.config else None
     try:   # suites and categories resolve (and fail) before the model loads
         drift = DriftSpec.parse(args.drift)
-        sr = suites.build(args.suite, args.categories, args.limit,
-                          10**6 if args.policy == "gold" else args.max_turns, args.seed)
-    except (ValueError, KeyError, FileNotFoundError) as e:
+        turns = 10**6 if args.policy == "gold" else args.max_turns
+        if train_cfg is not None:
+            sr = suites.from_config(train_cfg, args.categories, args.limit, turns)
+        else:
+            sr = suites.build(args.suite, args.categories, args.limit, turns, args.seed)
+    except (ValueError, KeyError, FileNotFoundError, TypeError, ImportError) as e:
         raise UsageError(str(e).strip("'\"")) from None
     if not sr.items:
         raise UsageError(f"no items: suite {args.suite} categories {args.categories} are empty")
@@ -295,6 +344,8 @@ def run(args: argparse.Namespace, loaded=None) -> dict[str, Any]:
               "max_episode_tokens": args.max_episode_tokens, "temperature": args.temperature,
               "measure_fidelity": args.measure_fidelity,
               "limit": args.limit, "batch_size": args.batch_size, "categories": args.categories}
+    if train_cfg is not None:   # a run dir of another env (or other options) is not resumed into
+        config["env"] = {"suite": train_cfg.env.suite, "options": train_cfg.env.options}
     try:
         store = ResultStore(args.out, config)
     except ValueError as e:

@@ -8,6 +8,9 @@ how many policy turns each category allows.
            execution: the calls are graded by BFCL's ast_checker); multi-turn categories through the
            real BFCL environment (fastrehearse.envs.bfcl), user turns fed one at a time
   tau2     categories are tau2 domains (default: telecom, solo mode), graded by tau2's evaluator
+A trainer config (`--config`, `from_config`) names any suite -- a registry name with its options
+(an MCP server, ...) or a user's suite by import path; categories are its splits (default: the
+config's env.eval_split), graded by the suite's own `score`.
 """
 from __future__ import annotations
 
@@ -99,3 +102,15 @@ def build(suite: str, categories: list[str] | None, limit: int | None, max_turns
         return 1 if c in BFCL_SINGLE else max_turns
 
     return SuiteRun(items, make_env, max_turns_for)
+
+
+def from_config(cfg, categories: list[str] | None, limit: int | None, max_turns: int) -> SuiteRun:
+    """The env of a trainer config (`cfg.env`: suite + options) over `categories` (its splits;
+    default: env.eval_split)."""
+    from fastrehearse.envs import get_suite
+    suite = get_suite(cfg.env.suite, **cfg.env.options)
+    cats = list(categories or [cfg.env.eval_split])
+    if limit is not None and limit < 0:
+        raise ValueError(f"--limit must be >= 0, got {limit}")
+    items = [(c, t) for c in cats for t in suite.tasks(c, limit)]
+    return SuiteRun(items, lambda c: suite.make_env(), lambda c: max_turns)

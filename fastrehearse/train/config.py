@@ -57,6 +57,8 @@ class ModelConfig:
 
 @dataclass
 class EnvConfig:
+    # A registry name (builtin | bfcl | tau2 | mcp) or an import path "package.module:Class" naming
+    # a fastrehearse.envs.Suite subclass (your own tools; docs/envs.md).
     suite: str = "builtin"
     # Keyword arguments of the suite's constructor (fastrehearse.envs.get_suite): names and simple
     # types are checked against its signature at start; values by the suite, also before the model loads.
@@ -528,15 +530,15 @@ def check_env(cfg: TrainConfig) -> None:
     """env.suite exists and env.options are keyword arguments of its constructor (simple types
     checked too), without building the suite (its values are checked when it is built, which the
     trainer also does before loading the model)."""
-    from fastrehearse.envs import SUITES, suite_class
-    if cfg.env.suite not in SUITES:
+    from fastrehearse.envs import SUITES, is_import_path, suite_class
+    if cfg.env.suite not in SUITES and not is_import_path(cfg.env.suite):
         close = difflib.get_close_matches(cfg.env.suite, list(SUITES), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ConfigError(f"config key 'env.suite' = {cfg.env.suite!r} is not a suite{hint}; "
-                          f"available: {sorted(SUITES)}")
+                          f"available: {sorted(SUITES)} or an import path 'package.module:Class'")
     try:
         cls = suite_class(cfg.env.suite)
-    except ImportError as e:
+    except (ImportError, ValueError) as e:
         raise ConfigError(f"config key 'env.suite': {e}") from None
     try:
         check_task_reward(cls, cfg.env.reward)
@@ -647,7 +649,30 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     cfg = from_dict(TrainConfig, data, seen=seen)
     for o in overrides:
         apply_override(cfg, o, seen=seen)
+    _env_defaults(cfg, None if path is None else Path(path).resolve().parent, seen)
     return validate(cfg, explicit=seen)
+
+
+def _env_defaults(cfg: TrainConfig, config_dir: Path | None, explicit: set) -> None:
+    """What a suite's options default to from where the config lives. A suite whose constructor
+    takes `config_dir` gets the config file's folder (relative paths in its options are relative
+    to the config, wherever the command runs; the working directory without a file). A suite
+    whose real calls may have side effects (`Suite.costly_calls(options)`: MCP servers unless
+    declared free of them) measures no fidelity unless the config asks: fidelity executes every
+    rehearsed call for real."""
+    from fastrehearse.envs import suite_class
+    try:
+        cls = suite_class(cfg.env.suite)
+    except (ImportError, ValueError):
+        return   # check_env refuses it, naming the key
+    params = inspect.signature(cls.__init__).parameters
+    if "config_dir" in params and "config_dir" not in cfg.env.options:
+        cfg.env.options["config_dir"] = str(config_dir or Path.cwd().resolve())
+    if cls.costly_calls(cfg.env.options):
+        for key in ("rollout.measure_fidelity", "eval.fidelity"):
+            if key not in explicit:
+                section, name = key.split(".")
+                setattr(getattr(cfg, section), name, False)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -33,6 +33,10 @@ def build_tasks(cfg: TrainConfig):
             tasks[key] = suite.tasks(split, limit=limit)
         except (ValueError, KeyError) as e:
             raise ConfigError(f"config key '{key}' = {split!r}: {msg(e)}") from None
+    try:
+        suite.check_reward(cfg.env.reward, tasks["env.train_split"])
+    except ValueError as e:
+        raise ConfigError(f"config key 'env.reward' = {cfg.env.reward!r}: {e}") from None
     if not tasks["env.train_split"]:
         raise ConfigError(f"config key 'env.train_split' = {cfg.env.train_split!r}: suite "
                           f"{cfg.env.suite!r} has no tasks in it")
