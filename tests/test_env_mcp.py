@@ -123,7 +123,7 @@ def _engine_rollout(s, mode, measure_fidelity=False):
     from fastrehearse.rollout import RolloutConfig, RolloutEngine
     from fastrehearse.rollout.policy import ScriptedPolicy
     from fastrehearse.rollout.template import assistant_text
-    from fastrehearse.rollout.testing import smollm2_tokenizer, tiny_llama
+    from _rollout_fixtures import smollm2_tokenizer, tiny_llama
     tok = smollm2_tokenizer()
     call = assistant_text({"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": "get_item", "arguments": {"sku": "SK201"}}}]})
