@@ -121,6 +121,53 @@ class ToolEnv(ABC):
         """Free per-episode resources."""
 
 
+class WrappedEnv(ToolEnv):
+    """A `ToolEnv` around another (`self.inner`): every part of the protocol is forwarded to it --
+    ToolEnv's class-level defaults would otherwise shadow the inner env's values -- and a wrapper
+    overrides only what it changes (eval/drift.py's DriftEnv, envs/scramble.py's ScrambleEnv)."""
+
+    def __init__(self, inner: ToolEnv):
+        self.inner = inner
+
+    @property
+    def tools(self) -> list[dict] | None:
+        return self.inner.tools
+
+    @property
+    def finished(self) -> bool:
+        return self.inner.finished
+
+    @property
+    def control_tools(self) -> frozenset[str]:
+        return self.inner.control_tools
+
+    @property
+    def validates_calls(self) -> bool:
+        return self.inner.validates_calls
+
+    @property
+    def grades_calls_only(self) -> bool:
+        return self.inner.grades_calls_only
+
+    def reset(self, task: Task) -> ResetResult:
+        return self.inner.reset(task)
+
+    def execute(self, call: ToolCall) -> ToolResult:
+        return self.inner.execute(call)
+
+    def score(self, task: Task, trajectory: Trajectory) -> float:
+        return self.inner.score(task, trajectory)
+
+    def next_user_message(self, reply: dict | None = None) -> dict | None:
+        return self.inner.next_user_message(reply)
+
+    def drift_stats(self) -> dict[str, int]:
+        return self.inner.drift_stats()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 class Suite(ABC):
     """A set of tasks plus a factory for per-episode environments.
 

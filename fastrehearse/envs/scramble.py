@@ -25,7 +25,7 @@ import re
 import string
 from typing import Any
 
-from fastrehearse.envs.base import ResetResult, Task, ToolCall, ToolEnv, ToolResult, Trajectory
+from fastrehearse.envs.base import ResetResult, Task, ToolCall, ToolEnv, ToolResult, Trajectory, WrappedEnv
 
 _DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 _TIME = re.compile(r"^\d{2}:\d{2}$")
@@ -77,39 +77,16 @@ def _load(text: str) -> Any:
         return None
 
 
-class ScrambleEnv(ToolEnv):
+class ScrambleEnv(WrappedEnv):
     """Wraps a real `ToolEnv`; the agent sees schema-perfect responses with random content."""
 
     def __init__(self, inner: ToolEnv, seed: int = 0):
-        self.inner, self.seed = inner, seed
+        super().__init__(inner)
+        self.seed = seed
         self.rng = random.Random(seed)
         self.fake_of: dict[tuple, Any] = {}     # real value key -> stand-in shown
         self.real_of: dict[tuple, Any] = {}     # stand-in key -> real value
         self.stats = {"responses": 0, "scrambled_values": 0}
-
-    # The environment protocol, forwarded (as DriftEnv does): ToolEnv's defaults would shadow them.
-    @property
-    def tools(self) -> list[dict] | None:
-        return self.inner.tools
-
-    @property
-    def finished(self) -> bool:
-        return self.inner.finished
-
-    @property
-    def control_tools(self) -> frozenset[str]:
-        return self.inner.control_tools
-
-    @property
-    def validates_calls(self) -> bool:
-        return self.inner.validates_calls
-
-    @property
-    def grades_calls_only(self) -> bool:
-        return self.inner.grades_calls_only
-
-    def next_user_message(self, reply: dict | None = None) -> dict | None:
-        return self.inner.next_user_message(reply)
 
     def reset(self, task: Task) -> ResetResult:
         h = hashlib.sha256(f"scramble|{self.seed}|{task.id}".encode()).digest()
@@ -175,8 +152,6 @@ class ScrambleEnv(ToolEnv):
     def scramble_stats(self) -> dict[str, int]:
         return dict(self.stats)
 
-    def close(self) -> None:
-        self.inner.close()
 
 
 def _leaves(value: Any) -> list:

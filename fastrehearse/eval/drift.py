@@ -39,7 +39,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastrehearse.envs.base import ResetResult, Task, ToolCall, ToolEnv, ToolResult, Trajectory
+from fastrehearse.envs.base import ResetResult, Task, ToolCall, ToolEnv, ToolResult, Trajectory, WrappedEnv
 
 KINDS = ("rename", "errors", "units", "formats", "remove", "seed", "all")
 _MONEY = re.compile(r"(amount|price|balance|cost|total|fee)", re.I)
@@ -232,18 +232,17 @@ def _call_names(message: dict) -> list[str]:
     return [tc.get("function", tc).get("name") for tc in message.get("tool_calls") or []]
 
 
-class DriftEnv(ToolEnv):
+class DriftEnv(WrappedEnv):
     """Wraps a real `ToolEnv`; the agent sees drifted schemas and responses."""
 
     def __init__(self, inner: ToolEnv, spec: DriftSpec):
-        self.inner = inner
+        super().__init__(inner)
         self.spec = spec
         self.removed: str | None = None
         self.stats = {"responses": 0, "changed": 0, "removed_tool_calls": 0}
         self.scaled: list[tuple[int, float]] = []   # (value shown, original value): `units` this episode
 
-    # The environment protocol (fastrehearse.envs.base), forwarded explicitly: ToolEnv's defaults
-    # would otherwise shadow the wrapped environment's user turns, stop tool and argument checks.
+    # The protocol is forwarded by WrappedEnv; the tool list loses a removed tool.
     @property
     def tools(self) -> list[dict] | None:
         """The wrapped env's current tools (None: unchanged since reset), minus a removed tool."""
@@ -251,25 +250,6 @@ class DriftEnv(ToolEnv):
         if t is None or self.removed is None:
             return t
         return [x for x in t if x.get("function", {}).get("name") != self.removed]
-
-    @property
-    def finished(self) -> bool:
-        return self.inner.finished
-
-    @property
-    def control_tools(self) -> frozenset[str]:
-        return self.inner.control_tools
-
-    @property
-    def validates_calls(self) -> bool:
-        return self.inner.validates_calls
-
-    @property
-    def grades_calls_only(self) -> bool:
-        return self.inner.grades_calls_only
-
-    def next_user_message(self, reply: dict | None = None) -> dict | None:
-        return self.inner.next_user_message(reply)
 
     def reset(self, task: Task) -> ResetResult:
         res = self.inner.reset(task)
@@ -355,6 +335,3 @@ class DriftEnv(ToolEnv):
         kept = Trajectory(messages=msgs, final_answer=trajectory.final_answer,
                           real_calls=[c for c in trajectory.real_calls if c.name != self.removed])
         return self.inner.score(task, kept)
-
-    def close(self) -> None:
-        self.inner.close()

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from fastrehearse.algo import AdvantageConfig, compute_advantages
+from fastrehearse.data import Episode
 from fastrehearse.rollout.vllm_backend import close_shared
 
 from . import failures
@@ -191,9 +192,10 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: bool, overwrite: bool) -> d
 
 
 
-def rl_step(run: Run) -> dict:
+def step_rollouts(run: Run) -> tuple[list[Episode], dict]:
+    """1. rollout: this rank's share of the step's tasks; 2. gather: every rank sees every episode
+    (rank order, deterministic). Returns the step's episodes (all ranks') and its rollout metrics."""
     cfg, info, st = run.cfg, run.info, run.state
-    # 1. rollout: this rank's share of the step's tasks
     tasks = next_tasks(run.train_tasks, st.rl_cursor, cfg.rollout.tasks_per_step, cfg.seed)
     st.rl_cursor += cfg.rollout.tasks_per_step
     mine = tasks[info.rank::info.world_size]
@@ -205,13 +207,20 @@ def rl_step(run: Run) -> dict:
                                                group_size=cfg.rollout.group_size,
                                                measure_fidelity=cfg.rollout.measure_fidelity)
         rollout_s = time.perf_counter() - t0
-        # 2. gather: every rank sees every episode (rank order, deterministic)
         gathered = all_gather_object(([slim_episode(e) for e in episodes], rmetrics, n_failed), info)
     episodes = [e for eps, _, _ in gathered for e in eps]
     n_failed = sum(f for _, _, f in gathered)
     st.rollout_failures += n_failed
-    row = {"stage": "rl", "rollout_failures": n_failed, "rollout_s": round(rollout_s, 3)}
+    row = {"rollout_failures": n_failed, "rollout_s": round(rollout_s, 3)}
     row.update(rollout_row(episodes, [m for _, m, _ in gathered], rollout_s))
+    return episodes, row
+
+
+def rl_step(run: Run) -> dict:
+    cfg, info = run.cfg, run.info
+    episodes, rollout_metrics = step_rollouts(run)
+    row = {"stage": "rl", **rollout_metrics}
+    n_failed = row["rollout_failures"]
     if len(episodes) < info.world_size:   # packing needs one episode per rank
         return skip_step(run, row, reason=f"only {len(episodes)} episodes for {info.world_size} ranks "
                                       f"({n_failed} rollout failures)")
@@ -276,24 +285,9 @@ def own_rehearsals_step(run: Run) -> dict:
     """sft.source own_rehearsals (rejection-sampling SFT, the Sr control): the RL step's rollout
     (same task stream, cursor and step seed), then CE on the ACT and REHEARSE tokens of the episodes
     whose env.reward (consistent, checked by the config) is 1."""
-    cfg, info, st = run.cfg, run.info, run.state
-    tasks = next_tasks(run.train_tasks, st.rl_cursor, cfg.rollout.tasks_per_step, cfg.seed)
-    st.rl_cursor += cfg.rollout.tasks_per_step
-    mine = tasks[info.rank::info.world_size]
-    t0 = time.perf_counter()
-    with phase("rollout"):
-        episodes, rmetrics, n_failed = rollout(run, mine, mode=cfg.rollout.mode,
-                                               temperature=cfg.rollout.temperature,
-                                               seed=step_seed(cfg.seed, st.step, info.rank),
-                                               group_size=cfg.rollout.group_size,
-                                               measure_fidelity=cfg.rollout.measure_fidelity)
-        rollout_s = time.perf_counter() - t0
-        gathered = all_gather_object(([slim_episode(e) for e in episodes], rmetrics, n_failed), info)
-    episodes = [e for eps, _, _ in gathered for e in eps]
-    n_failed = sum(f for _, _, f in gathered)
-    st.rollout_failures += n_failed
-    row = {"stage": "sft", "source": "own_rehearsals", "rollout_failures": n_failed, "rollout_s": round(rollout_s, 3)}
-    row.update(rollout_row(episodes, [m for _, m, _ in gathered], rollout_s))
+    cfg, info = run.cfg, run.info
+    episodes, rollout_metrics = step_rollouts(run)
+    row = {"stage": "sft", "source": "own_rehearsals", **rollout_metrics}
     kept = [e for e in episodes if e.reward >= 1.0]
     row["kept_episodes"], row["kept_frac"] = len(kept), len(kept) / max(1, len(episodes))
     if len(kept) < info.world_size:   # packing needs one episode per rank
