@@ -106,3 +106,16 @@ def test_tensor_parallel_is_refused_in_one_line():
     with pytest.raises(ValueError) as e:
         VLLMOptions(tensor_parallel_size=2).validate()
     assert "tensor_parallel_size=2" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_sharded_run_on_vllm_keeps_no_generation_copy():
+    """With rollout.backend=vllm the trainer builds no second model for rollouts (the engine is
+    filled from the shards): build_generation_model returns the trained module itself, where the
+    hf backend of a sharded run builds an unsharded copy."""
+    from types import SimpleNamespace
+
+    from fastrehearse.train.model_init import build_generation_model
+    sharded = SimpleNamespace(sharded=True, device=torch.device("cpu"))
+    hf_model = nn.Linear(2, 2)
+    cfg = SimpleNamespace(rollout=SimpleNamespace(backend="vllm"), model=SimpleNamespace(precision="fp32"))
+    assert build_generation_model(cfg, sharded, policy=None, hf_model=hf_model) is hf_model
