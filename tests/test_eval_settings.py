@@ -155,3 +155,22 @@ def test_device_and_dtype_default_to_auto():
     if not torch.cuda.is_available():
         with pytest.raises(cli.UsageError, match="--device cuda"):
             cli.resolve_device_dtype("cuda", "auto")
+
+
+def test_offset_selects_a_disjoint_window_with_the_same_ids(tmp_path, capsys):
+    """--offset K --limit N scores items K .. K+N-1 of each category (a pilot set disjoint from the
+    reported first items), under the ids a full listing gives them; a negative offset is refused."""
+    from fastrehearse.eval import suites
+    full = [t.id for _, t in suites.build("builtin", ["test:rules"], 7).items]
+    assert [t.id for _, t in suites.build("builtin", ["test:rules"], 3, offset=4).items] == full[4:7]
+    assert [t.id for _, t in suites.build("builtin", ["test:rules"], None, offset=4).items][:3] == full[4:7]
+    out = tmp_path / "pilot"
+    argv = ["--suite", "builtin", "--categories", "test:rules", "--policy", "gold", "--limit", "2",
+            "--offset", "5", "--out", str(out), "--quiet"]
+    assert cli.main(argv) == 0
+    ids = [json.loads(x)["id"] for x in (out / "items.jsonl").read_text().splitlines()]
+    assert sorted(ids) == full[5:7]
+    assert json.loads((out / "results.json").read_text())["offset"] == 5
+    assert cli.main(argv[:-5] + ["--offset", "4", "--out", str(out), "--quiet"]) == 2  # another window: refused
+    assert cli.main(argv[:-5] + ["--offset", "-1", "--out", str(tmp_path / "neg"), "--quiet"]) == 2
+    assert "--offset must be >= 0" in capsys.readouterr().err

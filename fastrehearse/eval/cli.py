@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'gold' (replay ground truth), or a model spec for fastrehearse.model.load_model: "
                         "an HF dir (e.g. a trainer export), a .gguf, 'smollm2', 'tiny-llama', ...")
     p.add_argument("--limit", type=int, default=None, help="first N items of each category (N >= 1)")
+    p.add_argument("--offset", type=int, default=0,
+                   help="skip each category's first K items (with --limit N: items K .. K+N-1, e.g. a "
+                        "pilot set disjoint from the reported first N)")
     p.add_argument("--rehearsal-budget", type=int, default=0,
                    help="test-time rehearsal: private rehearsals before each committed turn (0 = off)")
     p.add_argument("--rehearsal-mode", choices=REHEARSAL_MODES, default="parallel")
@@ -228,7 +231,7 @@ def summarize(args: argparse.Namespace, store: ResultStore, keys_in_order: list[
         "rehearsal_per_item": sum(r.rehearsal_tokens for r in items) / n if n else 0.0,
         "prompt_per_item": sum(r.prompt_tokens for r in items) / n if n else 0.0,
     }
-    res["limit"] = args.limit
+    res["limit"], res["offset"] = args.limit, args.offset
     res["wall_s_last_invocation"] = wall_s
     res["host"] = {"python": platform.python_version(), "machine": platform.machine(),
                    "cpu": _cpu_name()}
@@ -294,6 +297,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("--categories: empty list")
     if args.limit is not None and args.limit < 1:
         raise UsageError(f"--limit must be >= 1 (items per category), got {args.limit}")
+    if args.offset < 0:
+        raise UsageError(f"--offset must be >= 0, got {args.offset}")
     for name in ("batch_size", "max_turns", "max_new_tokens", "max_episode_tokens", "rehearsal_horizon"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -325,9 +330,9 @@ def run(args: argparse.Namespace, loaded=None) -> dict[str, Any]:
         drift = DriftSpec.parse(args.drift)
         turns = 10**6 if args.policy == "gold" else args.max_turns
         if train_cfg is not None:
-            sr = suites.from_config(train_cfg, args.categories, args.limit, turns)
+            sr = suites.from_config(train_cfg, args.categories, args.limit, turns, args.offset)
         else:
-            sr = suites.build(args.suite, args.categories, args.limit, turns, args.seed)
+            sr = suites.build(args.suite, args.categories, args.limit, turns, args.seed, args.offset)
     except (ValueError, KeyError, FileNotFoundError, TypeError, ImportError) as e:
         raise UsageError(str(e).strip("'\"")) from None
     if not sr.items:
@@ -343,7 +348,7 @@ def run(args: argparse.Namespace, loaded=None) -> dict[str, Any]:
               "on_max_new_tokens": args.on_max_new_tokens, "on_malformed": args.on_malformed,
               "max_episode_tokens": args.max_episode_tokens, "temperature": args.temperature,
               "measure_fidelity": args.measure_fidelity,
-              "limit": args.limit, "batch_size": args.batch_size, "categories": args.categories}
+              "limit": args.limit, "offset": args.offset, "batch_size": args.batch_size, "categories": args.categories}
     if train_cfg is not None:   # a run dir of another env (or other options) is not resumed into
         config["env"] = {"suite": train_cfg.env.suite, "options": train_cfg.env.options}
     try:

@@ -120,7 +120,7 @@ _RESUME_FREE_KEYS = {"limit", "batch_size", "categories", "prefill_batch_cells",
 # run.json keys renamed since a directory was written (the engine's name now), and keys added
 # since, with the value every older run had: such a directory resumes under the new names.
 _RENAMED_KEYS = {"max_steps": "max_turns"}
-_ADDED_KEYS = {"on_max_new_tokens": "end_turn", "on_malformed": "error_response"}
+_ADDED_KEYS = {"on_max_new_tokens": "end_turn", "on_malformed": "error_response", "offset": 0}
 
 
 def _upgrade_config(old: dict[str, Any]) -> dict[str, Any]:

@@ -50,9 +50,18 @@ def _get_suite(name: str, **kw) -> Suite:
     raise ImportError(f"fastrehearse.envs has no get_suite() yet: suite {name!r} is unavailable")
 
 
+def _window(tasks_of, limit: int | None, offset: int) -> list[Task]:
+    """Items offset .. offset+limit-1 of a category (`tasks_of(n)`: its first n items, None = all):
+    a pilot set disjoint from the reported one, with the same item ids as in a full listing."""
+    if offset < 0:
+        raise ValueError(f"--offset must be >= 0, got {offset}")
+    return tasks_of(None if limit is None else offset + limit)[offset:]
+
+
 def build(suite: str, categories: list[str] | None, limit: int | None, max_turns: int | None = None,
-          seed: int = 0) -> SuiteRun:
-    """max_turns None: the suite's default (DEFAULT_MAX_TURNS)."""
+          seed: int = 0, offset: int = 0) -> SuiteRun:
+    """max_turns None: the suite's default (DEFAULT_MAX_TURNS); offset: skip each category's first
+    items (`_window`)."""
     if suite not in SUITES:
         raise ValueError(f"--suite must be one of {SUITES}, got {suite!r}")
     cats = list(categories or DEFAULT_CATEGORIES[suite])
@@ -73,7 +82,7 @@ def build(suite: str, categories: list[str] | None, limit: int | None, max_turns
             # 1-3 always check the answer); without it EASY success = the spelled-out call was made.
             opts = {"easy_answer": True} if answer else {}
             suites[c] = _get_suite("builtin", level=level, tools=tools, **opts)
-            items += [(c, t) for t in suites[c].tasks(split, limit)]
+            items += [(c, t) for t in _window(lambda n: suites[c].tasks(split, n), limit, offset)]
     elif suite == "bfcl":
         bad = [c for c in cats if c not in BFCL_SINGLE + BFCL_MULTI]
         if bad:
@@ -87,12 +96,12 @@ def build(suite: str, categories: list[str] | None, limit: int | None, max_turns
             else:
                 multi = multi or _get_suite("bfcl")
                 suites[c] = multi
-            items += [(c, t) for t in suites[c].tasks(c, limit)]
+            items += [(c, t) for t in _window(lambda n: suites[c].tasks(c, n), limit, offset)]
     else:
         s = _get_suite("tau2")
         for c in cats:      # a domain ("telecom") or "<domain>:<split>" ("telecom:test")
             suites[c] = s
-            items += [(c, t) for t in s.tasks(c, limit)]
+            items += [(c, t) for t in _window(lambda n: s.tasks(c, n), limit, offset)]
 
     def make_env(c: str) -> ToolEnv:
         return suites[c].make_env()
@@ -104,7 +113,7 @@ def build(suite: str, categories: list[str] | None, limit: int | None, max_turns
     return SuiteRun(items, make_env, max_turns_for)
 
 
-def from_config(cfg, categories: list[str] | None, limit: int | None, max_turns: int) -> SuiteRun:
+def from_config(cfg, categories: list[str] | None, limit: int | None, max_turns: int, offset: int = 0) -> SuiteRun:
     """The env of a trainer config (`cfg.env`: suite + options) over `categories` (its splits;
     default: env.eval_split)."""
     from fastrehearse.envs import get_suite
@@ -112,5 +121,5 @@ def from_config(cfg, categories: list[str] | None, limit: int | None, max_turns:
     cats = list(categories or [cfg.env.eval_split])
     if limit is not None and limit < 0:
         raise ValueError(f"--limit must be >= 0, got {limit}")
-    items = [(c, t) for c in cats for t in suite.tasks(c, limit)]
+    items = [(c, t) for c in cats for t in _window(lambda n: suite.tasks(c, n), limit, offset)]
     return SuiteRun(items, lambda c: suite.make_env(), lambda c: max_turns)
