@@ -113,6 +113,12 @@ V2_SETS = ["optim.min_lr_ratio=1.0", "optim.rollback_nonfinite=false", "max_toke
 KILLED_RETRIES = 3      # a command killed by a signal (the OOM killer) is resumed up to this often
 DRIFT = "rename,errors,units,formats"
 WINDOW = (0.25, 0.60)   # the warm-up's answer-checked success the pilot must find
+# v4 (docs/learning.md, "v4 pre-registration" and its addendum): the builtin "rules" family, no
+# held-out family; every run is configs/learning_v4_smollm2.yaml plus the sets below (its own file
+# carries the episode limits, the constant lr and the checkpoint cadence v2/v3 set with V2_SETS).
+V4 = {"config": "configs/learning_v4_smollm2.yaml", "level": "rules", "arms": ("R", "Ca", "Cv", "Sr", "S"),
+      "seeds": {"R": 8, "Ca": 8, "Cv": 4, "Sr": 4, "S": 2}, "steps": 24, "n_eval": 100, "n_mixed": 64,
+      "n_rehearsal": 64, "ladder": (8, 16, 32, 64), "pilot_items": (100, 64), "fallback": (0.15, 0.75)}
 CLI = str(Path(sys.executable).parent / "fastrehearse")   # the console script of this venv
 # Per-unit costs, seconds at 1 torch thread, two runs side by side on the shared 2-core box with
 # the other agents' jobs (load average ~5; measured 2026-12-04, docs/learning.md "Cost"): GRPO step
@@ -138,11 +144,19 @@ def parse_seeds(text: str | None, arms: list[str]) -> dict[str, int]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--design", choices=("v2", "v4"), default="v2",
+                   help="v2/v3 (EASY tasks, a held-out family) or v4 (the rules family; docs/learning.md)")
+    p.add_argument("--warmup", type=int, default=None, metavar="K",
+                   help=f"v4: the warm-up W_K (sft.steps=K) the arms start from, K in {V4['ladder']} "
+                        "(the pilot picks it)")
     p.add_argument("--config", default=None, help="train config (default configs/learning_smollm2.yaml, "
-                                                  "--tiny: configs/learning_tiny.yaml)")
-    p.add_argument("--level", default="easy@-accounts",
-                   help="builtin level of every run, holding out a family as LEVEL@-FAMILY")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma list from {KNOWN_ARMS} (default: {ARMS})")
+                                                  "--tiny: configs/learning_tiny.yaml, "
+                                                  f"--design v4: {V4['config']})")
+    p.add_argument("--level", default=None,
+                   help="builtin level of every run, holding out a family as LEVEL@-FAMILY "
+                        "(default easy@-accounts; --design v4: rules, no family held out)")
+    p.add_argument("--arms", default=None, help=f"comma list from {KNOWN_ARMS} (default: {ARMS}; "
+                                                f"--design v4: {V4['arms']})")
     p.add_argument("--seeds", default=None, help=f"N for every arm or ARM=N,... (default {DEFAULT_SEEDS})")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per arm (default 12; --tiny 2)")
     p.add_argument("--n-eval", type=int, default=None, help="held-out tasks per success metric (default 64)")
@@ -167,16 +181,31 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="an earlier report of the same plan: its arm/seed records stand for run dirs not "
                         "here (not retrained), when its warm-up is this one (repeatable)")
     a = p.parse_args(argv)
-    a.config = a.config or f"configs/learning_{'tiny' if a.tiny else 'smollm2'}.yaml"
-    a.steps = a.steps if a.steps is not None else (2 if a.tiny else 12)
-    a.n_eval = a.n_eval if a.n_eval is not None else (3 if a.tiny else 64)
+    v4 = a.design == "v4"
+    if a.warmup is not None and not v4:
+        p.error("--warmup: only with --design v4 (v2/v3 have one warm-up, the config's sft.steps)")
+    if v4 and a.warmup is not None and a.warmup not in V4["ladder"]:
+        p.error(f"--warmup: the pre-registered ladder is {V4['ladder']}, got {a.warmup}")
+    if v4 and a.warmup is None and not (a.pilot or a.dry_run):
+        p.error("--design v4 needs --warmup K (the level the pilot chose: run --pilot first)")
+    a.level = a.level or (V4["level"] if v4 else "easy@-accounts")
+    a.arms = a.arms or ",".join(V4["arms"] if v4 else ARMS)
+    if v4 and a.seeds is None:
+        a.seeds = ",".join(f"{k}={V4['seeds'][k]}" for k in V4["seeds"] if k in a.arms.split(","))
+    a.config = a.config or (V4["config"] if v4 and not a.tiny else
+                            f"configs/learning_{'tiny' if a.tiny else 'smollm2'}.yaml")
+    a.steps = a.steps if a.steps is not None else (2 if a.tiny else V4["steps"] if v4 else 12)
+    a.n_eval = a.n_eval if a.n_eval is not None else (3 if a.tiny else V4["n_eval"] if v4 else 64)
     a.n_tf = a.n_tf if a.n_tf is not None else (4 if a.tiny else 256)
     a.n_rehearsal = a.n_rehearsal if a.n_rehearsal is not None else (2 if a.tiny else 64)
-    a.runs = Path(a.runs or f"runs/learning_v2{'_tiny' if a.tiny else ''}")
+    if v4 and not a.tiny:   # one teacher-forced pass: its log-prob and rehearsal items are the same 64
+        a.n_tf = a.n_rehearsal = V4["n_rehearsal"]
+    name = "learning_v4" if v4 else "learning_v2"
+    a.runs = Path(a.runs or f"runs/{name}{'_tiny' if a.tiny else ''}")
     if a.out and a.record:
         p.error("--out and --record: give one")
-    a.out = Path(a.out) if a.out else (a.runs / "learning_v2_tiny" if a.tiny else
-                                       (RESULTS if a.record else SCRATCH) / "learning_v2_smollm2")
+    a.out = Path(a.out) if a.out else (a.runs / f"{name}_tiny" if a.tiny else
+                                       (RESULTS if a.record else SCRATCH) / f"{name}_smollm2")
     a.arms = [x.strip() for x in a.arms.split(",") if x.strip()]
     bad = [x for x in a.arms if x not in KNOWN_ARMS]
     if bad or not a.arms:
@@ -191,14 +220,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         if v < lo:
             p.error(f"{name} must be >= {lo}, got {v}")
     base, _, fam = a.level.partition("@")
-    if not fam.startswith("-") or len(fam) < 2:
+    if not v4 and (not fam.startswith("-") or len(fam) < 2):
         p.error(f"--level must hold out a tool family as LEVEL@-FAMILY (e.g. easy@-accounts), got {a.level!r}")
     return a
 
 
 # ---- the plan --------------------------------------------------------------------------------
 def base_sets(a) -> list[str]:
-    return [f"env.options.level={a.level}", *V2_SETS, *a.sets]
+    return [f"env.options.level={a.level}", *([] if a.design == "v4" else V2_SETS), *a.sets]
 
 
 def load_cfg(a):
@@ -208,8 +237,11 @@ def load_cfg(a):
 
 
 def categories(a, cfg) -> dict[str, str]:
-    """The eval categories: seen families' held-out tasks and the held-out family, answer checked."""
+    """The eval categories: seen families' held-out tasks and the held-out family, answer checked
+    (v4: the rules family's test tasks, primary; the mixed levels 1-3, secondary)."""
     tools = str(cfg.env.options.get("tools", "auto"))
+    if a.design == "v4":
+        return {"primary": f"test:{a.level}:{tools}", "mixed": f"test:mixed:{tools}"}
     base, _, fam = a.level.partition("@")
     return {"seen": f"test:{a.level}:{tools}:answer", "heldout": f"test:{base}@{fam[1:]}:{tools}:answer"}
 
@@ -219,12 +251,36 @@ def train_cmd(a, run_dir: Path, sets: list[str]) -> list[str]:
             *[x for s in [f"run_dir={run_dir}", *base_sets(a), *sets] for x in ("--set", s)]]
 
 
+def _eval_common(cfg, export: Path) -> list[str]:
+    # episode tokens: the model's context (no item refused for length)
+    return ["--suite", "builtin", "--policy", str(export), "--max-turns", str(cfg.rollout.max_turns),
+            "--max-new-tokens", str(cfg.rollout.max_new_tokens), "--seed", "0", "--quiet"]
+
+
+def pilot_eval_cmd(a, cfg, export: Path, run_dir: Path) -> tuple[str, Path, list[str]]:
+    """v4 pilot items: test-split rules tasks 100-163, disjoint from the primary 0-99."""
+    off, n = V4["pilot_items"] if not a.tiny else (a.n_eval, a.n_eval)
+    return ("eval", run_dir / "eval_pilot",
+            [CLI, "eval", *_eval_common(cfg, export), "--categories", categories(a, cfg)["primary"],
+             "--offset", str(off), "--limit", str(n), "--out", str(run_dir / "eval_pilot")])
+
+
 def eval_cmds(a, cfg, export: Path, run_dir: Path) -> list[tuple[str, Path, list[str]]]:
     """(kind, out dir or file, command) for one checkpoint."""
     cats = categories(a, cfg)
-    common = ["--suite", "builtin", "--policy", str(export), "--limit", str(a.n_eval),
-              "--max-turns", str(cfg.rollout.max_turns), "--max-new-tokens", str(cfg.rollout.max_new_tokens),
-              "--seed", "0", "--quiet"]   # episode tokens: the model's context (no item refused for length)
+    if a.design == "v4":
+        n_mixed = a.n_eval if a.tiny else V4["n_mixed"]
+        tf = [sys.executable, "-m", "fastrehearse.eval.teacher_forced", "--model", str(export),
+              "--tools", str(cfg.env.options.get("tools", "auto")), "--threads", str(a.threads)]
+        return [("eval", run_dir / "eval", [CLI, "eval", *_eval_common(cfg, export), "--categories", cats["primary"],
+                                            "--limit", str(a.n_eval), "--out", str(run_dir / "eval")]),
+                ("eval", run_dir / "eval_mixed", [CLI, "eval", *_eval_common(cfg, export), "--categories",
+                                                  cats["mixed"], "--limit", str(n_mixed),
+                                                  "--out", str(run_dir / "eval_mixed")]),
+                ("tf", run_dir / "teacher_forced.json",
+                 [*tf, "--level", a.level, "--n", str(a.n_rehearsal), "--n-rehearsal", str(a.n_rehearsal),
+                  "--out", str(run_dir / "teacher_forced.json")])]
+    common = [*_eval_common(cfg, export), "--limit", str(a.n_eval)]
     tools = str(cfg.env.options.get("tools", "auto"))
     base, _, fam = a.level.partition("@")
     tf = [sys.executable, "-m", "fastrehearse.eval.teacher_forced", "--model", str(export), "--tools", tools,
@@ -243,8 +299,21 @@ def eval_cmds(a, cfg, export: Path, run_dir: Path) -> list[tuple[str, Path, list
     return out
 
 
+def warmup_of(a, cfg, k: int | None = None) -> dict:
+    """The warm-up job: v2/v3 one (the config's sft.steps); v4 W_k (sft.steps=k) of the ladder."""
+    if a.design != "v4":
+        warm = a.runs / "warmup"
+        return {"run_dir": warm, "train": train_cmd(a, warm, []), "total_steps": cfg.sft.steps,
+                "evals": eval_cmds(a, cfg, warm / "export", warm)}
+    k = a.warmup if k is None else k
+    warm = a.runs / f"W{k}"
+    return {"run_dir": warm, "train": train_cmd(a, warm, [f"sft.steps={k}"]), "total_steps": k,
+            "evals": eval_cmds(a, cfg, warm / "export", warm), "pilot_eval": pilot_eval_cmd(a, cfg, warm / "export", warm)}
+
+
 def plan(a, cfg) -> dict:
-    warm = a.runs / "warmup"
+    warmup = warmup_of(a, cfg, a.warmup or (V4["ladder"][0] if a.design == "v4" else None))
+    warm = warmup["run_dir"]
     runs = {}   # seed-major: with --jobs 2 the first seeds of every arm finish first
     per_step = cfg.rollout.tasks_per_step * cfg.rollout.group_size
     for seed in range(max(a.seeds.values())):
@@ -260,8 +329,7 @@ def plan(a, cfg) -> dict:
             sets = [f"model.spec={warm / 'export'}", f"seed={seed}", *steps, *ARM_SETS[arm]]
             runs[(arm, seed)] = {"run_dir": d, "train": train_cmd(a, d, sets), "total_steps": a.steps,
                                  "warmup": warm, "evals": eval_cmds(a, cfg, d / "export", d)}
-    return {"warmup": {"run_dir": warm, "train": train_cmd(a, warm, []), "total_steps": cfg.sft.steps,
-                       "evals": eval_cmds(a, cfg, warm / "export", warm)}, "runs": runs}
+    return {"warmup": warmup, "runs": runs}
 
 
 def estimate_s(a, cfg, kept=frozenset()) -> dict:
@@ -421,6 +489,49 @@ def train_then_eval(a, job: dict, failures: list) -> None:
             failures.append({"command": shell(cmd, a.threads), "rc": rc, "log": str(log)})
 
 
+def choose_warmup(rungs: list[dict]) -> int | None:
+    """The pre-registered rule over the rungs evaluated so far ({"k", "success"} in ladder order):
+    the first inside WINDOW; none inside: the one nearest the window's middle when it lies within
+    V4["fallback"] (ties: the earlier rung); else None (stop)."""
+    for r in rungs:
+        if WINDOW[0] <= r["success"] <= WINDOW[1]:
+            return r["k"]
+    if not rungs:
+        return None
+    mid = sum(WINDOW) / 2
+    best = min(rungs, key=lambda r: abs(r["success"] - mid))
+    return best["k"] if V4["fallback"][0] <= best["success"] <= V4["fallback"][1] else None
+
+
+def pilot_ladder(a, cfg, failures: list) -> int:
+    """v4 pilot step 1 (docs/learning.md): W_8, W_16, W_32, W_64 in that order, each trained and
+    evaluated on the pilot items; the first inside WINDOW is chosen, none inside: the one nearest the
+    window's middle if within V4["fallback"], else stop. Writes RUNS/pilot_ladder.json."""
+    rungs = []
+    for k in (V4["ladder"] if not a.tiny else V4["ladder"][:2]):
+        job = warmup_of(a, cfg, k)
+        train_then_eval(a, {**job, "evals": [job["pilot_eval"]]}, failures)
+        if failures:
+            print(f"pilot: W_{k} failed: {failures}")
+            return 1
+        res = json.loads((job["pilot_eval"][1] / "results.json").read_text())
+        cat = res["categories"][categories(a, cfg)["primary"]]
+        rungs.append({"k": k, "success": cat["accuracy"], "n": cat["n"], "run_dir": str(job["run_dir"]),
+                      "eval_command": shell(job["pilot_eval"][2], a.threads)})
+        print(f"pilot: W_{k} solves {100 * cat['accuracy']:.1f}% of {cat['n']} pilot items")
+        if WINDOW[0] <= cat["accuracy"] <= WINDOW[1]:
+            break
+    chosen = choose_warmup(rungs)
+    out = {"window": WINDOW, "fallback": V4["fallback"], "rungs": rungs, "chosen": chosen,
+           "rule": "the first W_k inside the window; none: nearest the middle if within the fallback, else stop"}
+    (a.runs / "pilot_ladder.json").write_text(json.dumps(out, indent=1))
+    if chosen is None:
+        print("pilot: no warm-up within the fallback range: the family does not fit this model (stop, report it)")
+        return 3
+    print(f"pilot: chosen warm-up W_{chosen}; next: pilot steps 2-3 from it (--warmup {chosen}), see docs/learning.md")
+    return 0
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     cfg = load_cfg(a)
@@ -440,7 +551,9 @@ def main(argv=None) -> int:
     print(f"plan: warm-up ({cfg.sft.steps} SFT steps, level {a.level}) -> arms {a.seeds} seeds x {a.steps} steps; "
           f"eval n={a.n_eval} per success metric, teacher-forced n={a.n_tf}, rehearsal split n={a.n_rehearsal}; "
           f"{a.jobs} jobs x {a.threads} threads; run dirs under {a.runs}")
-    if not a.tiny:   # the per-unit costs are SmolLM2's
+    if a.design == "v4" and not a.tiny:   # COST_S is v2/v3's EASY episodes: v4's are ~3x longer
+        print("estimate: none before the pilot times a whole RL step (docs/learning.md, pilot step 3)")
+    elif not a.tiny:   # the per-unit costs are SmolLM2's
         print(f"estimate: {est['core_s'] / 3600:.1f} core-hours, ~{est['wall_s'] / 3600:.1f} h wall "
               f"({est['checkpoints']} checkpoints; {est['how']})")
     print("commands (each train command is rerun with --resume after an interruption):")
@@ -454,6 +567,8 @@ def main(argv=None) -> int:
         return 0
     failures: list = []
     t0 = time.perf_counter()
+    if a.pilot and a.design == "v4":
+        return pilot_ladder(a, cfg, failures)
     if not a.report_only:
         train_then_eval(a, {**pl["warmup"], "evals": []}, failures)   # every arm starts from its export
         if a.pilot:

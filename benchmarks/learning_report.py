@@ -429,6 +429,64 @@ def pilot_verdict(a, cfg, pl: dict, failures: list, window: tuple[float, float])
     return 0 if ok else 3
 
 
+# ---- v4: the pre-registered decision (docs/learning.md, "v4 pre-registration") -------------
+V4_MIN_SEEDS = {"R": 8, "Ca": 8, "Cv": 4, "Sr": 4, "S": 2}
+V4_TESTS = (("P1", "Ca", "Cv", "the rehearsed world's content helps (beyond its format)"),
+            ("P2", "Ca", "Sr", "RL adds to SFT on the same consistent rehearsals"))
+
+
+def v4_decision(seeds: dict[str, list[float]], warmup: float, planned_mde: dict[str, float],
+                alpha: float = 0.05) -> dict:
+    """The v4 rule on per-seed primary success (fractions): P1 = Ca - Cv and P2 = Ca - Sr by the
+    exact permutation test over seed labels, Holm over the two (the smaller p against alpha / 2,
+    then the other against alpha); Welch intervals secondary; the recovery ratio
+    (Ca - W) / (R - W) with its Fieller interval, read against 0.5. An arm short of its
+    pre-registered minimum seeds makes the whole report "incomplete: no verdict" (numbers kept).
+    `planned_mde`: {"P1": ..., "P2": ...} fixed by the pilot before the runs."""
+    short = {arm: (len(seeds.get(arm, [])), n) for arm, n in V4_MIN_SEEDS.items() if len(seeds.get(arm, [])) < n}
+    tests = {}
+    for name, a, b, claim in V4_TESTS:
+        if len(seeds.get(a, [])) < 2 or len(seeds.get(b, [])) < 2:
+            tests[name] = {"a": a, "b": b, "claim": claim, "p": None, "why": "fewer than 2 seeds in an arm"}
+            continue
+        perm = ls.permutation_test(seeds[a], seeds[b])
+        tests[name] = {"a": a, "b": b, "claim": claim, "diff": perm["diff"], "p": perm["p"],
+                       "exact": perm["exact"], "n_labelings": perm["n_labelings"],
+                       "welch": ls.welch(seeds[a], seeds[b]), "planned_mde": planned_mde.get(name)}
+    ranked = sorted((t for t in tests.values() if t["p"] is not None), key=lambda t: t["p"])
+    still = True
+    for i, t in enumerate(ranked):          # Holm: step down, stop at the first failure
+        t["holm_alpha"] = alpha / (len(ranked) - i)
+        t["significant"] = still and t["p"] <= t["holm_alpha"]
+        still = t["significant"]
+    for name, t in tests.items():
+        if t["p"] is None:
+            t["verdict"] = "not tested: " + t["why"]
+        elif t["significant"]:
+            t["verdict"] = t["claim"] if t["diff"] > 0 else f"significantly NEGATIVE: {t['a']} below {t['b']}"
+        else:
+            mde = t["planned_mde"]
+            below = mde is not None and abs(t["diff"]) < mde
+            t["verdict"] = (f"not shown ({t['a']} - {t['b']} = {100 * t['diff']:+.1f} pp"
+                            + (f", below this run's resolution (planned MDE {100 * mde:.1f} pp)" if below else
+                               f", planned MDE {100 * mde:.1f} pp" if mde is not None else "") + ")")
+    rho = None
+    if len(seeds.get("Ca", [])) >= 2 and len(seeds.get("R", [])) >= 2:
+        rho = ls.recovery_ratio(seeds["Ca"], seeds["R"], [warmup])
+        if rho["lo"] is None:
+            rho["verdict"] = "no statement about rho (" + rho["why"] + ")"
+        elif rho["lo"] > 0.5:
+            rho["verdict"] = "Ca recovers most of R's gain"
+        elif rho["hi"] < 0.5:
+            rho["verdict"] = "Ca recovers less than half of R's gain"
+        else:
+            rho["verdict"] = "undetermined"
+    return {"complete": not short, "short_arms": short, "tests": tests, "recovery": rho,
+            "verdict": "incomplete: no verdict" if short else
+                       "; ".join(f"{n}: {t['verdict']}" for n, t in tests.items())
+                       + (f"; recovery: {rho['verdict']}" if rho else "")}
+
+
 # ---- outputs -----------------------------------------------------------------------------------
 def _cell(s: dict, kind: str) -> str:
     if s["mean"] is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -141,6 +142,64 @@ def test_v4_control_arms_plan(tmp_path):
     assert "env.options.scramble=true" in cv and "env.reward=consistent" in cv and "rollout.mode=real" in cv
     assert "sft.source=own_rehearsals" in sr and "--set steps=0" in sr and "rollout.mode=rehearse" in sr
     assert "sft.tasks_per_step" not in sr   # its steps sample rollout.tasks_per_step x group_size
+
+
+def test_v4_design_plan_is_the_preregistered_one(tmp_path):
+    """--design v4 (docs/learning.md, v4 pre-registration + addendum): the rules level with no family
+    held out, the v4 config and none of v2's --set defaults (its max_tokens=1024 cannot hold one
+    rules episode), arms R/Ca/Cv/Sr/S at 8/8/4/4/2 seeds x 24 steps from W_k's export, primary eval
+    on test rules 0-99, mixed 64, one teacher-forced pass of 64 items; --pilot evaluates W_8 on the
+    pilot items 100-163."""
+    runs = tmp_path / "r"
+    r = _bench("--design", "v4", "--warmup", "16", "--dry-run", "--runs", str(runs))
+    assert r.returncode == 0, r.stderr
+    lines = [ln.strip() for ln in r.stdout.splitlines()]
+    train = [ln for ln in lines if " fastrehearse train " in f" {ln} "]
+    assert len(train) == 1 + 8 + 8 + 4 + 4 + 2
+    assert all("--config configs/learning_v4_smollm2.yaml" in ln and "env.options.level=rules" in ln
+               and "max_tokens=1024" not in ln and "min_lr_ratio" not in ln for ln in train)
+    assert f"run_dir={runs}/W16 " in train[0] + " " and "--set sft.steps=16" in train[0]
+    for ln in train[1:]:
+        assert f"model.spec={runs}/W16/export" in ln and ("steps=24" in ln)
+    evals = [ln for ln in lines if " fastrehearse eval " in f" {ln} "]
+    assert sum("--categories test:rules:auto --limit 100" in ln for ln in evals) == len(train)
+    assert sum("--categories test:mixed:auto --limit 64" in ln for ln in evals) == len(train)
+    assert all("--max-turns 6" in ln and "--max-new-tokens 64" in ln and "--offset" not in ln for ln in evals)
+    tf = [ln for ln in lines if "fastrehearse.eval.teacher_forced" in ln]
+    assert len(tf) == len(train) and all("--level rules --n 64 --n-rehearsal 64" in ln for ln in tf)
+    assert "estimate: none before the pilot" in r.stdout
+    p = _bench("--design", "v4", "--pilot", "--dry-run", "--runs", str(runs))
+    assert p.returncode == 0, p.stderr
+    for bad in (["--design", "v4", "--dry-run", "--warmup", "12"], ["--design", "v4", "--runs", str(runs)],
+                ["--warmup", "8", "--dry-run"]):
+        b = _bench(*bad)
+        assert b.returncode == 2 and "--warmup" in b.stderr, (bad, b.stderr)
+    assert not runs.exists()
+
+
+def test_v4_pilot_eval_is_the_disjoint_pilot_set(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_learning as bl
+    a = bl.parse_args(["--design", "v4", "--pilot", "--runs", str(tmp_path)])
+    cfg = bl.load_cfg(a)
+    kind, out, cmd = bl.warmup_of(a, cfg, 32)["pilot_eval"]
+    text = " ".join(cmd)
+    assert out == tmp_path / "W32" / "eval_pilot"
+    assert "--categories test:rules:auto --offset 100 --limit 64" in text and f"{tmp_path}/W32/export" in text
+
+
+@pytest.mark.parametrize("rungs, chosen", [
+    ([(8, 0.10), (16, 0.30)], 16),                       # the first inside [25, 60]%
+    ([(8, 0.25)], 8), ([(8, 0.60)], 8),                  # the window's ends are inside
+    ([(8, 0.05), (16, 0.10), (32, 0.20), (64, 0.70)], 32),  # none inside: nearest 42.5% (22.5 vs 27.5 pp off)
+    ([(8, 0.05), (16, 0.10), (32, 0.12), (64, 0.14)], None),  # nearest is below 15%: stop
+    ([(8, 0.02), (16, 0.80), (32, 0.90), (64, 0.95)], None),  # nearest is above 75%: stop
+    ([(8, 0.20), (16, 0.65)], 8),                        # equally near (22.5 pp): the earlier rung
+])
+def test_v4_warmup_rule_hand_cases(rungs, chosen):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_learning as bl
+    assert bl.choose_warmup([{"k": k, "success": s} for k, s in rungs]) == chosen
 
 
 def test_contrast_intervals_hand_computed():
@@ -450,3 +509,44 @@ def test_prior_cli_skips_kept_runs_and_refuses_a_bad_file(tmp_path):
     assert not any("/R-s0 " in ln for ln in train) and any("/R-s1 " in ln for ln in train)
     r = _bench(*args, "--prior", str(p), "--steps", "3")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "steps_per_arm=2" in r.stderr
+
+
+def test_v4_decision_rule_hand_cases():
+    """The pre-registered v4 rule (docs/learning.md): exact permutation p over seed labels, Holm over
+    P1/P2, verdicts by sign and the planned MDE, the recovery ratio against 0.5, and no verdict
+    while an arm is short of its minimum seeds."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import learning_report as lr
+    ca = [0.60, 0.62, 0.58, 0.64, 0.61, 0.59, 0.63, 0.57]          # mean 0.605
+    r = [0.70, 0.72, 0.68, 0.71, 0.69, 0.73, 0.67, 0.70]           # mean 0.70
+    cv = [0.30, 0.32, 0.28, 0.31]                                  # every Cv below every Ca
+    sr = [0.59, 0.61, 0.60, 0.62]                                  # interleaved with Ca
+    s = [0.9, 0.92]
+    d = lr.v4_decision({"Ca": ca, "R": r, "Cv": cv, "Sr": sr, "S": s}, 0.40, {"P1": 0.2, "P2": 0.2})
+    p1, p2 = d["tests"]["P1"], d["tests"]["P2"]
+    # P1: every Cv seed is below every Ca seed, so only the observed labelling of the C(12, 8) = 495
+    # reaches |diff| = 0.3025 (the most extreme reversed one, Cv = Ca's top 4, gives -0.181): 1 / 495
+    assert p1["exact"] and p1["n_labelings"] == 495 and p1["p"] == pytest.approx(1 / 495)
+    assert p1["holm_alpha"] == 0.025 and p1["significant"]
+    assert p1["verdict"] == "the rehearsed world's content helps (beyond its format)"
+    assert p2["holm_alpha"] == 0.05 and not p2["significant"] and p2["p"] > 0.5
+    assert re.match(r"not shown \(Ca - Sr = [+-]0\.0 pp", p2["verdict"]) and "below this run's resolution" in p2["verdict"]
+    rho = d["recovery"]    # (0.605 - 0.40) / (0.70 - 0.40) = 0.6833
+    assert rho["ratio"] == pytest.approx(0.205 / 0.30) and rho["lo"] > 0.5 and rho["verdict"] == "Ca recovers most of R's gain"
+    assert d["complete"] and "P1: the rehearsed world's content helps" in d["verdict"]
+    # Holm: the smaller p fails alpha / 2, so neither is significant (step-down stops)
+    weak = lr.v4_decision({"Ca": [0.5, 0.6, 0.55, 0.45, 0.5, 0.6, 0.55, 0.45], "R": r, "Cv": [0.4, 0.5, 0.6, 0.45],
+                           "Sr": [0.5, 0.55, 0.45, 0.6], "S": s}, 0.40, {"P1": 0.05, "P2": 0.05})
+    assert not any(t["significant"] for t in weak["tests"].values())
+    assert "planned MDE 5.0 pp" in weak["tests"]["P1"]["verdict"]
+    # a significant negative is said as such
+    neg = lr.v4_decision({"Ca": cv * 2, "R": r, "Cv": ca[:4], "Sr": sr, "S": s}, 0.40, {"P1": 0.2, "P2": 0.2})
+    assert neg["tests"]["P1"]["verdict"] == "significantly NEGATIVE: Ca below Cv"
+    # R not above the warm-up: no statement about rho
+    flat = lr.v4_decision({"Ca": ca, "R": [0.40, 0.41, 0.39, 0.40, 0.41, 0.39, 0.40, 0.40], "Cv": cv, "Sr": sr, "S": s},
+                          0.40, {"P1": 0.2, "P2": 0.2})
+    assert flat["recovery"]["lo"] is None and flat["recovery"]["verdict"].startswith("no statement about rho")
+    # an arm short of its minimum: numbers, no verdict
+    short = lr.v4_decision({"Ca": ca, "R": r[:5], "Cv": cv, "Sr": sr, "S": s}, 0.40, {"P1": 0.2, "P2": 0.2})
+    assert not short["complete"] and short["short_arms"] == {"R": (5, 8)} and short["verdict"] == "incomplete: no verdict"
+    assert short["tests"]["P1"]["p"] is not None
