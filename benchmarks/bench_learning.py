@@ -35,6 +35,8 @@ the minimum detectable effect (benchmarks/learning_report.py).
     python benchmarks/bench_learning.py --seeds R=2 --prior benchmarks/results/learning_v2_smollm2.json
                                   # add seed 1 of R; seed 0 from the earlier report (its run dir is gone)
     python benchmarks/bench_learning.py --tiny          # the whole pipeline on a tiny random model
+    python benchmarks/bench_learning.py --design v4 --pilot              # v4 pilot 1: the warm-up ladder
+    python benchmarks/bench_learning.py --design v4 --pilot --warmup K   # v4 pilot 2-3: signal, cost
 
 Resumable: a finished run (its summary.json counts the planned steps) is skipped, a started one
 continues with `fastrehearse train --resume`, an eval directory continues where it stopped (and is
@@ -186,7 +188,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--warmup: only with --design v4 (v2/v3 have one warm-up, the config's sft.steps)")
     if v4 and a.warmup is not None and a.warmup not in V4["ladder"]:
         p.error(f"--warmup: the pre-registered ladder is {V4['ladder']}, got {a.warmup}")
-    if v4 and a.warmup is None and not (a.pilot or a.dry_run):
+    if v4 and a.warmup is None and not (a.pilot or a.dry_run):   # --pilot --warmup K: steps 2-3
         p.error("--design v4 needs --warmup K (the level the pilot chose: run --pilot first)")
     a.level = a.level or (V4["level"] if v4 else "easy@-accounts")
     a.arms = a.arms or ",".join(V4["arms"] if v4 else ARMS)
@@ -532,6 +534,74 @@ def pilot_ladder(a, cfg, failures: list) -> int:
     return 0
 
 
+def _rl_rows(run_dir: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if r.get("stage") == "rl"]
+
+
+def pilot_signal(a, cfg, failures: list) -> int:
+    """v4 pilot steps 2-3 (docs/learning.md) from W_{--warmup}: 2 RL steps of Ca and of R at
+    group_size 8 (16 when Ca's zero-signal fraction of ACT groups is above 0.5), the stop check on
+    Ca's mean `consistent` rollout reward, and one whole RL step of Ca timed on HF and on vLLM
+    (each run's second step: time between its metrics rows). Writes RUNS/pilot_signal.json with the
+    projected cost of the minimum design on this machine."""
+    warm = a.runs / f"W{a.warmup}"
+    root = a.runs / "pilot"
+    out: dict = {"warmup": a.warmup, "runs": {}}
+
+    def run(name: str, arm: str, sets: list[str]) -> dict | None:
+        d = root / name
+        job = {"run_dir": d, "total_steps": 2, "evals": [],
+               "train": train_cmd(a, d, [f"model.spec={warm / 'export'}", "seed=0", "sft.steps=0", "steps=2",
+                                         *ARM_SETS[arm], *sets])}
+        done = (d / "metrics.jsonl").exists() and len(_rl_rows(d)) == 2
+        if not done:
+            train_then_eval(a, job, failures)
+        if failures or not (d / "metrics.jsonl").exists() or len(_rl_rows(d)) != 2:
+            return None
+        rows = _rl_rows(d)
+        rec = {"command": shell(job["train"], a.threads),
+               "zero_signal_act": [r["zero_signal_groups"] for r in rows], "reward": [r["reward"] for r in rows],
+               "step2_s": rows[1]["time"] - rows[0]["time"], "rollout_s": [r["rollout_s"] for r in rows],
+               "update_s": [r.get("train_s") for r in rows], "episode_tokens": [r.get("episode_tokens") for r in rows]}
+        out["runs"][name] = rec
+        return rec
+
+    group = 8
+    for g in (8, 16):
+        group = g
+        ca, r = run(f"Ca-g{g}", "Ca", [f"rollout.group_size={g}"]), run(f"R-g{g}", "R", [f"rollout.group_size={g}"])
+        if ca is None or r is None:
+            print(f"pilot: a signal run failed: {failures}")
+            return 1
+        zs = sum(ca["zero_signal_act"]) / 2
+        print(f"pilot: group {g}: Ca zero-signal ACT groups {zs:.2f}, R {sum(r['zero_signal_act']) / 2:.2f}; "
+              f"Ca mean consistent reward {sum(ca['reward']) / 2:.3f}")
+        if zs <= 0.5:
+            break
+    out["group_size"] = group
+    ca_reward = sum(out["runs"][f"Ca-g{group}"]["reward"]) / 2
+    out["stop"] = not (0.05 <= ca_reward <= 0.95)
+    vl = run(f"Ca-g{group}-vllm", "Ca", [f"rollout.group_size={group}", "rollout.backend=vllm"])
+    hf_s = out["runs"][f"Ca-g{group}"]["step2_s"]
+    out["step_s"] = {"hf": hf_s, "vllm": vl["step2_s"] if vl else None}
+    best = min(v for v in out["step_s"].values() if v is not None)
+    n_runs = sum(V4["seeds"].values())
+    out["projection_h"] = {"rl_steps_only": n_runs * V4["steps"] * best / 3600,
+                           "how": f"{n_runs} runs x {V4['steps']} steps x the faster backend's whole step "
+                                  f"({best:.0f} s), evals not included; one job at a time at {a.threads} thread(s)"}
+    out["fits_budget_16h"] = out["projection_h"]["rl_steps_only"] <= 16
+    out["load_1min"] = os.getloadavg()[0]
+    (a.runs / "pilot_signal.json").write_text(json.dumps(out, indent=1))
+    print(f"pilot: whole RL step of Ca: HF {hf_s:.0f} s, vLLM {out['step_s']['vllm'] or float('nan'):.0f} s; "
+          f"minimum design ~{out['projection_h']['rl_steps_only']:.0f} h of RL steps alone "
+          f"({'within' if out['fits_budget_16h'] else 'ABOVE'} the 16 h budget)")
+    if out["stop"]:
+        print(f"pilot: Ca's mean consistent reward {ca_reward:.3f} is outside [0.05, 0.95]: stop (no signal)")
+        return 3
+    return 0 if out["fits_budget_16h"] else 4
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     cfg = load_cfg(a)
@@ -567,8 +637,8 @@ def main(argv=None) -> int:
         return 0
     failures: list = []
     t0 = time.perf_counter()
-    if a.pilot and a.design == "v4":
-        return pilot_ladder(a, cfg, failures)
+    if a.pilot and a.design == "v4":   # --warmup K: steps 2-3 from the chosen W_K
+        return pilot_signal(a, cfg, failures) if a.warmup else pilot_ladder(a, cfg, failures)
     if not a.report_only:
         train_then_eval(a, {**pl["warmup"], "evals": []}, failures)   # every arm starts from its export
         if a.pilot:

@@ -550,3 +550,50 @@ def test_v4_decision_rule_hand_cases():
     short = lr.v4_decision({"Ca": ca, "R": r[:5], "Cv": cv, "Sr": sr, "S": s}, 0.40, {"P1": 0.2, "P2": 0.2})
     assert not short["complete"] and short["short_arms"] == {"R": (5, 8)} and short["verdict"] == "incomplete: no verdict"
     assert short["tests"]["P1"]["p"] is not None
+
+
+def test_v4_pilot_signal_doubles_the_group_and_projects_the_cost(tmp_path, monkeypatch):
+    """Pilot steps 2-3 on stand-in runs (the metrics rows a real `fastrehearse train` writes): Ca at
+    group 8 with zero-signal 0.75 > 0.5 doubles the group; at 16 (0.25) it stays; the faster
+    backend's second-step time projects the minimum design (26 runs x 24 steps); Ca's mean reward
+    outside [5, 95]% stops the pilot."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_learning as bl
+    a = bl.parse_args(["--design", "v4", "--pilot", "--warmup", "16", "--runs", str(tmp_path)])
+    cfg = bl.load_cfg(a)
+    ran = []
+
+    def fake_rows(name):   # (zero-signal, reward, seconds between the two rows)
+        g16 = "g16" in name
+        if name.startswith("Ca"):
+            return (0.25 if g16 else 0.75), fake_rows.ca_reward, (300.0 if "vllm" in name else 600.0)
+        return 0.5, 0.3, 700.0
+
+    def fake_train(a_, job, failures):
+        d = Path(job["run_dir"])
+        ran.append((d.name, " ".join(job["train"])))
+        zs, rew, dt = fake_rows(d.name)
+        d.mkdir(parents=True, exist_ok=True)
+        rows = [{"stage": "rl", "time": 1000.0 + i * dt, "zero_signal_groups": zs, "reward": rew,
+                 "rollout_s": 1.0, "train_s": 2.0, "episode_tokens": 10} for i in range(2)]
+        (d / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+
+    monkeypatch.setattr(bl, "train_then_eval", fake_train)
+    fake_rows.ca_reward = 0.4
+    assert bl.pilot_signal(a, cfg, []) == 4          # 26 x 24 x 300 s = 52 h: above the budget
+    names = [n for n, _ in ran]
+    assert names == ["Ca-g8", "R-g8", "Ca-g16", "R-g16", "Ca-g16-vllm"]
+    cmd = dict(ran)
+    assert f"model.spec={tmp_path}/W16/export" in cmd["Ca-g16"] and "rollout.group_size=16" in cmd["Ca-g16"]
+    assert "env.reward=consistent" in cmd["Ca-g16"] and "env.reward=real" in cmd["R-g16"]
+    assert "rollout.backend=vllm" in cmd["Ca-g16-vllm"] and "rollout.backend" not in cmd["Ca-g16"]
+    rec = json.loads((tmp_path / "pilot_signal.json").read_text())
+    assert rec["group_size"] == 16 and rec["step_s"] == {"hf": 600.0, "vllm": 300.0}
+    assert rec["projection_h"]["rl_steps_only"] == pytest.approx(26 * 24 * 300 / 3600) and not rec["fits_budget_16h"]
+    # finished runs are not run again; a reward outside [5, 95]% stops
+    ran.clear()
+    assert bl.pilot_signal(a, cfg, []) == 4 and ran == []
+    for d in tmp_path.glob("pilot/*"):
+        shutil.rmtree(d)
+    fake_rows.ca_reward = 0.02
+    assert bl.pilot_signal(a, cfg, []) == 3 and json.loads((tmp_path / "pilot_signal.json").read_text())["stop"]
