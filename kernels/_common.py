@@ -108,6 +108,35 @@ def check_fused_forward(backend: str, head) -> None:
                          f"temperature); use backend='triton'")
 
 
+def plan_chunk(limit: int, item_bytes: int, budget: int, *, fixed_bytes: int = 0,
+               chunk_size: int | None = None, align: int = 64, align_from: int | None = None,
+               floor: int = 1, at_least: int | None = None, refuse: str | None = None) -> int:
+    """How many items -- rows of a chunk, columns of a vocabulary block -- one step of a kernel
+    loop takes: the number of `item_bytes`-sized items that `budget` bytes hold beside
+    `fixed_bytes`, rounded down to a multiple of `align` once it reaches `align_from` (default
+    2 x align; GEMM-friendly sizes), then at most `limit` (all of them) and at least `floor`.
+
+    chunk_size: the caller's own count, taken as it is (refused below 1).
+    at_least: a count the budget may not lower the result below (applied before the rounding).
+    refuse: raise ValueError(refuse) when the budget holds no item (else `floor` is taken).
+    Every chunk and block size of the kernels comes from here; the callers state their budget
+    and item size (linear_logprobs.forward_rows, _blocked, _fused_linear_loss.fused_loss_rows,
+    _vocab_outer.vocab_outer_plan).
+    """
+    if chunk_size is not None:
+        if int(chunk_size) < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        return int(chunk_size)
+    count = (budget - fixed_bytes) // item_bytes
+    if at_least is not None:
+        count = max(count, at_least)
+    elif count < 1 and refuse is not None:
+        raise ValueError(refuse)
+    if count >= (2 * align if align_from is None else align_from):
+        count -= count % align
+    return max(floor, min(int(count), max(limit, 1)))
+
+
 def chunk_rows(n: int, v: int, device: torch.device, chunk_size: int | None = None) -> int:
     """Rows per chunk so that one fp32 [rows, V] logits block stays within the byte budget."""
     if chunk_size is not None:
