@@ -187,7 +187,7 @@ def test_out_dtype_probe_warns_once_and_never_swallows_oom(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")          # once: the second call neither probes nor warns
         assert _common._out_dtype_ok(mm, like) is False
-    assert _common.fp32_gemm_fallbacks() == ["mm:cpu:bfloat16"]
+    assert [k for k, ok in _common._OUT_DTYPE_OK.items() if not ok] == ["mm:cpu:bfloat16"]
 
     def addmm(*a, **kw):                        # the probe itself runs out of memory
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
