@@ -366,9 +366,9 @@ BF16_ACC_BUDGET = 1.5 * 2 ** 30
 EPILOGUE_ROWS = 4096             # the fused-epilogue design: 4 chunks of 4096 rows at N=16384
 EPILOGUE_TILE_N = 256            # its GEMM's output tile width: one set of row partials per tile
 
-# Small kernels per chunk of kernels/policy_loss.py's sweep besides its GEMMs and row kernels:
-# per-token loss terms, derivatives, metric stores. Counted (aten ops under a TorchDispatchMode,
-# Triton path, per extra chunk) for the default PolicyLossConfig (ppo_clip, no KL / entropy):
+# Small kernels per chunk of kernels/_fused_linear_loss.py's sweep besides its GEMMs and row
+# kernels: per-token loss terms, derivatives, metric stores. Counted (aten ops under a
+# TorchDispatchMode, Triton path, per extra chunk) for the default PolicyLossConfig (ppo_clip, no KL / entropy):
 # 34 elementwise kernels + 4 stores; with KL and an entropy bonus ~59.
 FUSED_LOSS_OPS = 38
 # Once per call, forward and backward: index_selects of targets / roles / advantages / old

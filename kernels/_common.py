@@ -166,8 +166,8 @@ def plan_chunk(limit: int, item_bytes: int, budget: int, *, fixed_bytes: int = 0
     at_least: a count the budget may not lower the result below (applied before the rounding).
     refuse: raise ValueError(refuse) when the budget holds no item (else `floor` is taken).
     Every chunk and block size of the kernels comes from here; the callers state their budget
-    and item size (linear_logprobs.forward_rows, _blocked, _fused_linear_loss.fused_loss_rows,
-    _vocab_outer.vocab_outer_plan).
+    and item size (linear_logprobs.forward_rows, _blocked._block_cols,
+    _fused_linear_loss.fused_loss_rows, _vocab_outer.vocab_outer_plan).
     """
     if chunk_size is not None:
         if int(chunk_size) < 1:

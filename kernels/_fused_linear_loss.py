@@ -43,13 +43,15 @@ def fast_torch(backend, entropy_grad, head) -> bool:
     return backend == "torch" and not entropy_grad and head is None
 
 
-def fused_policy_loss(x_c, w, bias, head, inv_temp, rows, cfg: PolicyLossConfig, *, backend, fast,
-                      with_entropy, chunk_size, workspace_bytes, dw_accum_dtype):
-    """The fused path over the compacted rows x_c (`rows`: their _loss_io.LossRows): the loss, and
-    the plan holding the per-token results (logp, ent, ratio, clipped, dual, kl, loss_parts)."""
+def fused_policy_loss(x_c, w, bias, head, inv_temp, batch, cfg: PolicyLossConfig, *, backend,
+                      fast, with_entropy, chunk_size, workspace_bytes, dw_accum_dtype):
+    """The fused path over the compacted rows x_c (`batch`: their _loss_io.LossRows): the loss,
+    and the plan holding the per-token results (logp, ent, ratio, clipped, dual, kl, loss_parts).
+    `fast`: the torch fast path (`fast_torch`)."""
     grad_on = torch.is_grad_enabled()
-    plan = _Plan(t=rows.targets.long().contiguous(), roles=rows.roles, adv=rows.adv, old=rows.old,
-                 ref=rows.ref, pg_w=rows.pg_w, scale=rows.scale, cfg=cfg, inv_temp=inv_temp,
+    plan = _Plan(t=batch.targets.long().contiguous(), roles=batch.roles, adv=batch.adv,
+                 old=batch.old, ref=batch.ref, pg_w=batch.pg_w, scale=batch.scale, cfg=cfg,
+                 inv_temp=inv_temp,
                  with_entropy=with_entropy,
                  backend="triton" if backend == "triton-fused" else backend, head=head,
                  fast=fast, need_dx=grad_on and x_c.requires_grad,
@@ -92,9 +94,10 @@ def fused_loss_rows(n: int, v: int, device: torch.device, *, elem_bytes: int, fi
     return plan_chunk(
         n, max(v, 1) * elem_bytes, workspace_bytes or FUSED_WORKSPACE_BYTES_CUDA,
         fixed_bytes=fixed_bytes, at_least=logits_rows if workspace_bytes is None else None,
-        refuse=(f"workspace_bytes={workspace_bytes} cannot hold the fused loss's {fixed_bytes}-byte "
-                f"fixed part (the fp32 dW accumulator unless dw_accum_dtype=weight.dtype) plus one "
-                f"{v * elem_bytes}-byte row of logits; raise it or use fused=False"))
+        refuse=(f"workspace_bytes={workspace_bytes} cannot hold the fused loss's "
+                f"{fixed_bytes}-byte fixed part (the fp32 dW accumulator unless "
+                f"dw_accum_dtype=weight.dtype) plus one {v * elem_bytes}-byte row of logits; "
+                f"raise it or use fused=False"))
 
 
 def _chunk_rows(n, w, head, fast, grad, need_dw, workspace_bytes, chunk_size, with_entropy=False,

@@ -48,9 +48,10 @@ def vocab_outer_plan(n: int, h: int, v: int, device: torch.device, *, block_elem
 
     Workspace = fp32 dX accumulator [R, H] + per block an [R, V_b] set of buffers of
     `block_elem_bytes` per element (fp32 logits, dZ, the pre-cap logits with a soft-cap) + an
-    fp32 [V_b, H] dW block. R: the rows whose dX accumulator fits half the budget, all of them
-    when they fit (the count is rounded to a multiple of 64 either way); `rows` (the caller's
-    chunk_size) overrides R. V_b: what the rest of the budget holds.
+    fp32 [V_b, H] dW block. R: the rows whose dX accumulator fits half the budget, at most all
+    of them, rounded down to a multiple of 64 from 128 on -- so all rows form one group (each dW
+    block written once) only when their count is a multiple of 64 or below 128; `rows` (the
+    caller's chunk_size) overrides R. V_b: what the rest of the budget holds.
     """
     budget = workspace_bytes or (WORKSPACE_BYTES_CUDA if device.type == "cuda"
                                  else WORKSPACE_BYTES_CPU)

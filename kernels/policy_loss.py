@@ -114,39 +114,41 @@ def linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
     head, inv_temp = build_head(bias, logit_softcap, logit_scale, weight,
                                 1.0 / float(cfg.temperature))
     check_fused_forward(backend, head)
-    rows = compact_rows(targets, roles, advantages, old_logp, ref_logp, token_weights, pg_weights,
-                        seq_ids, cfg, normalizers, check_finite, weight.shape[0])
+    batch = compact_rows(targets, roles, advantages, old_logp, ref_logp, token_weights, pg_weights,
+                         seq_ids, cfg, normalizers, check_finite, weight.shape[0])
     with_ent = bool(with_entropy) or cfg.entropy_coef != 0.0
-    x_c = hidden.index_select(0, rows.rows)
+    x_c = hidden.index_select(0, batch.rows)
 
     if fused and cfg.importance_sampling == "token":
         loss, plan = fused_policy_loss(
-            x_c, weight, bias, head, inv_temp, rows, cfg, backend=backend,
+            x_c, weight, bias, head, inv_temp, batch, cfg, backend=backend,
             fast=_fast_torch(backend, cfg.entropy_coef != 0.0, head), with_entropy=with_ent,
             chunk_size=chunk_size, workspace_bytes=workspace_bytes, dw_accum_dtype=dw_accum_dtype)
         lp_c, ent_c, kl_c = plan.logp, plan.ent, plan.kl
         ratio, clipped, dual, parts = plan.ratio, plan.clipped, plan.dual, plan.loss_parts
     else:
-        lp_c, ent_c = linear_logprobs(x_c, weight, rows.targets, temperature=cfg.temperature,
+        lp_c, ent_c = linear_logprobs(x_c, weight, batch.targets, temperature=cfg.temperature,
                                       with_entropy=with_ent, backend=backend,
                                       chunk_size=chunk_size, workspace_bytes=workspace_bytes,
                                       bias=bias, logit_softcap=logit_softcap,
                                       logit_scale=logit_scale)
-        r_c = rows.roles
-        l = token_loss(lp_c, ent_c, r_c, rows.adv, rows.old, rows.ref, cfg, rows.seq, rows.pg_w)
-        contrib = l * rows.scale
+        r_c = batch.roles
+        l = token_loss(lp_c, ent_c, r_c, batch.adv, batch.old, batch.ref, cfg, batch.seq,
+                       batch.pg_w)
+        contrib = l * batch.scale
         loss = contrib.sum()
         with torch.no_grad():
             lp_d = lp_c.detach()
-            lr = log_ratio(lp_d, rows.old, rl_mask(r_c), rows.seq, cfg)
-            ratio, clipped, dual, kl_c = token_stats(lp_d, r_c, rows.adv, lr, rows.ref, cfg)
+            lr = log_ratio(lp_d, batch.old, rl_mask(r_c), batch.seq, cfg)
+            ratio, clipped, dual, kl_c = token_stats(lp_d, r_c, batch.adv, lr, batch.ref, cfg)
             parts = torch.zeros(NUM_ROLES, device=dev).index_add_(0, r_c, contrib.detach())
         lp_c = lp_c.detach()
         ent_c = None if ent_c is None else ent_c.detach()
 
-    logp = torch.zeros(n, device=dev, dtype=torch.float32).index_put_((rows.rows,), lp_c)
+    logp = torch.zeros(n, device=dev, dtype=torch.float32).index_put_((batch.rows,), lp_c)
     ent = None
     if ent_c is not None:
-        ent = torch.zeros(n, device=dev, dtype=torch.float32).index_put_((rows.rows,), ent_c)
-    metrics = role_metrics(rows.counts, rows.roles, lp_c, ent_c, ratio, clipped, dual, kl_c, parts)
+        ent = torch.zeros(n, device=dev, dtype=torch.float32).index_put_((batch.rows,), ent_c)
+    metrics = role_metrics(batch.counts, batch.roles, lp_c, ent_c, ratio, clipped, dual, kl_c,
+                           parts)
     return PolicyLossOutput(loss=loss, logp=logp, entropy=ent, metrics=metrics)

@@ -65,8 +65,9 @@ def vocab_outer_sizes(n, h, v, dev):
                  for rows in (None, 10, 1000))
 
 
-# ---- the sizes (from the six planners the kernels had before plan_chunk, which this table
-# was first checked against call by call; 'refused': ValueError, the budget holds no row) ---
+# ---- the sizes the kernels choose ('refused': ValueError, the budget holds no row). An entry
+# that changes changes the kernels' memory and speed: measure (benchmarks/bench_kernel_revs.py,
+# roofline.py) before updating it ----------------------------------------------------------------
 
 FORWARD = {(0, 1, 'cpu'): (1, 7, 1, 7, 1, 1, 1, 1, 1, 1, 1, 7),
  (0, 1, 'cuda'): (1, 7, 1, 7, 1, 1, 1, 1, 1, 1, 1, 7),
