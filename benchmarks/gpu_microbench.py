@@ -40,6 +40,8 @@ from _common import add_output_args, hardware, output_path  # noqa: E402
 from fastrehearse.kernels import PolicyLossConfig, linear_logprobs, linear_policy_loss  # noqa: E402
 from fastrehearse.kernels import _common as kc  # noqa: E402
 from fastrehearse.kernels import _rows  # noqa: E402
+from fastrehearse.kernels._vocab_outer import vocab_outer_plan  # noqa: E402
+from fastrehearse.kernels.linear_logprobs import forward_rows  # noqa: E402
 
 
 def bench_ms(fn, dev, reps=20) -> float:
@@ -123,7 +125,7 @@ def main(argv=None):
     x = torch.randn(a.n, a.h, device=dev, generator=g).to(dt)
     w = (torch.randn(a.v, a.h, device=dev, generator=g) * a.h ** -0.5).to(dt)
     t = torch.randint(0, a.v, (a.n,), device=dev, generator=g)
-    c = kc.chunk_rows(a.n, a.v, dev)
+    c = forward_rows(a.n, a.v, dt, dev, "triton")
     xc, tc = x[:c], t[:c]
     z = kc.mm_f32(xc, w.t())
     row(f"[C={c}] Z = X_c W^T (fp32 out)", bench_ms(lambda: kc.mm_f32(xc, w.t()), dev),
@@ -155,8 +157,8 @@ def main(argv=None):
     del z, dz, acc, dx
 
     # one block of the vocabulary-outer backward (linear_logprobs on CUDA), the code's own plan
-    rows, cols = kc.vocab_outer_plan(a.n, a.h, a.v, torch.device("cuda"),
-                                     block_elem_bytes=4 + x.element_size())
+    rows, cols = vocab_outer_plan(a.n, a.h, a.v, torch.device("cuda"),
+                                  block_elem_bytes=4 + x.element_size())
     r, vb = min(rows, a.n), min(cols, a.v)
     xr, tr, wb = x[:r], t[:r], w[:vb]
     zb = kc.mm_f32(xr, wb.t())
@@ -236,8 +238,8 @@ def fused_forward(a, x, w, t, dev, cuda, row):
     cuBLAS rate (floor = 2NHV at the measured rate)?"""
     from fastrehearse.kernels import _fused_lse
     from fastrehearse.kernels.linear_logprobs import _row_chunked_stats
-    c = kc.chunk_rows(a.n, a.v, dev)
-    cf = kc.fused_rows(a.n, a.v, x.dtype, dev)
+    c = forward_rows(a.n, a.v, x.dtype, dev, "triton")
+    cf = forward_rows(a.n, a.v, x.dtype, dev, "triton-fused")
     flops = roofline.Piece("", 2.0 * a.n * a.h * a.v, 0.0)
     row(f"[N={a.n}] forward 'triton' ({c}-row chunks, entropy)",
         bench_ms(lambda: _row_chunked_stats(x, w, t, 1.0, True, "triton", c), dev), flops)

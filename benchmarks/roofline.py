@@ -272,7 +272,7 @@ def _vocab_outer_backward(n, h, v, plan_bytes):
     dX_acc += dZ_b W_b (fp32 accumulator), dW_b = dZ_b^T X (K = R) as an fp32 GEMM result
     copied once into the bf16 dW (first group) or added into an fp32 dW (later groups)."""
     import torch
-    from fastrehearse.kernels._common import vocab_outer_plan
+    from fastrehearse.kernels._vocab_outer import vocab_outer_plan
     rows, cols = vocab_outer_plan(n, h, v, torch.device("cuda"), block_elem_bytes=F32 + BF16,
                                   workspace_bytes=int(plan_bytes) if plan_bytes else None)
     r = min(rows, n)
@@ -366,9 +366,9 @@ BF16_ACC_BUDGET = 1.5 * 2 ** 30
 EPILOGUE_ROWS = 4096             # the fused-epilogue design: 4 chunks of 4096 rows at N=16384
 EPILOGUE_TILE_N = 256            # its GEMM's output tile width: one set of row partials per tile
 
-# Small kernels per chunk of kernels/policy_loss.py's sweep besides its GEMMs and row kernels:
-# per-token loss terms, derivatives, metric stores. Counted (aten ops under a TorchDispatchMode,
-# Triton path, per extra chunk) for the default PolicyLossConfig (ppo_clip, no KL / entropy):
+# Small kernels per chunk of kernels/_fused_linear_loss.py's sweep besides its GEMMs and row
+# kernels: per-token loss terms, derivatives, metric stores. Counted (aten ops under a
+# TorchDispatchMode, Triton path, per extra chunk) for the default PolicyLossConfig (ppo_clip, no KL / entropy):
 # 34 elementwise kernels + 4 stores; with KL and an entropy bonus ~59.
 FUSED_LOSS_OPS = 38
 # Once per call, forward and backward: index_selects of targets / roles / advantages / old
@@ -385,12 +385,12 @@ def _fused_elem_bytes(z_bytes=F32):
 
 
 def _fused_rows(n, h, v, fused_budget, z_bytes=F32, acc32=True):
-    """kernels/policy_loss.py's rows per chunk on CUDA, from the code's own helper
-    (`_common.fused_loss_rows`, default FUSED_WORKSPACE_BYTES_CUDA): the fp32 V x H dW
+    """The fused policy loss's rows per chunk on CUDA, from the code's own helper
+    (`_fused_linear_loss.fused_loss_rows`, default FUSED_WORKSPACE_BYTES_CUDA): the fp32 V x H dW
     accumulator fixed (none with dw_accum_dtype=bf16: acc32=False), `_fused_elem_bytes` per
     logit of a chunk."""
     import torch
-    from fastrehearse.kernels._common import fused_loss_rows
+    from fastrehearse.kernels._fused_linear_loss import fused_loss_rows
     return fused_loss_rows(n, v, torch.device("cuda"), elem_bytes=_fused_elem_bytes(z_bytes),
                            fixed_bytes=v * h * F32 if acc32 else 0,
                            workspace_bytes=int(fused_budget) if fused_budget else None)
@@ -427,7 +427,7 @@ def ours_fused_loss(n, h, v, design, budget, fused_budget=None, z_bytes=F32, fir
     if design in ("row-chunked", "budgeted"):
         what = ("one pass, row-chunked, V x H fp32 dW read-modify-write per chunk, "
                 + ("chunks from a workspace budget counting the accumulator "
-                   "(_common.fused_loss_rows)" if design == "budgeted" else
+                   "(_fused_linear_loss.fused_loss_rows)" if design == "budgeted" else
                    "256 MiB logits chunks (the CUDA path before the workspace budget)"))
         fwd = _row_chunked_forward(n, h, v, c, FUSED_LOSS_OPS, ops_name, z_bytes)
         return Design("ours-fused-loss", what, "fused (triton)", False, 6,

@@ -45,7 +45,7 @@ import math
 
 import torch
 
-from ._common import vocab_block
+from . import _common
 from ._rowmath import put_target_
 
 
@@ -58,6 +58,13 @@ _S_DIRECT = (1e-30, 1e30)
 # exact block max. Catches inf / NaN too (the comparison is False).
 _S_MAX = 1e18
 _LOG_S_MAX = math.log(_S_MAX)
+
+
+def _block_cols(r: int, v: int, dev) -> int:
+    """Vocabulary columns per block: one fp32 [r, V_b] block within the budget (read from
+    _common at each call, so a test can shrink it)."""
+    budget = _common.CHUNK_BYTES_CUDA if dev.type == "cuda" else _common.VOCAB_BLOCK_BYTES_CPU
+    return _common.plan_chunk(v, 4 * max(r, 1), budget)
 
 
 def _aug_rows(x: torch.Tensor, inv_temp: float) -> torch.Tensor:
@@ -158,7 +165,7 @@ def _direct_stats(x_c, w, t_c, inv_temp: float, with_entropy: bool):
     r, h = x_c.shape
     dev = x_c.device
     xs = _scaled_rows(x_c, inv_temp)
-    bv = vocab_block(r, w.shape[0], dev)
+    bv = _block_cols(r, w.shape[0], dev)
     zbuf = torch.empty(r * bv, device=dev, dtype=torch.float32)
     ebuf = torch.empty_like(zbuf) if with_entropy else None
     s_acc = torch.zeros(r, device=dev, dtype=torch.float32)      # off-target sums
@@ -190,7 +197,7 @@ def _shifted_stats(x, w, t, inv_temp: float, with_entropy: bool):
     v = w.shape[0]
     dev = x.device
     xa = _aug_rows(x, inv_temp)
-    bv = vocab_block(n, v, dev)
+    bv = _block_cols(n, v, dev)
     wa = _aug_weight_buf(bv, h, dev)
     zbuf = torch.empty(n * bv, device=dev, dtype=torch.float32)
     m = s_acc = a_acc = None
@@ -340,7 +347,7 @@ def _direct_backward(x_c, w, t_c, g1_c, dt_c, inv_temp, dw, first, need_dx, rho,
     xs = _scaled_rows(x_c, inv_temp)
     xg = xs * rho.view(-1, 1) if dw is not None else None
     dxa = torch.zeros(r, h, device=dev, dtype=torch.float32) if need_dx else None
-    bv = vocab_block(r, w.shape[0], dev)
+    bv = _block_cols(r, w.shape[0], dev)
     zbuf = torch.empty(r * bv, device=dev, dtype=torch.float32)
     ebuf = torch.empty_like(zbuf) if beta is not None else None
     for v0, v1, wb in _weight_blocks(w, bv, h):
@@ -365,7 +372,7 @@ def _shifted_backward(x_c, w, t_c, g1_c, dt_c, inv_temp, dw, first, need_dx, lse
     #                                                    dS = -p (a + g2 log p); target: dt
     xg = xs * rho.view(-1, 1) if (dw is not None and rho is not None) else xs
     dxa = torch.zeros(r, h, device=dev, dtype=torch.float32) if need_dx else None
-    bv = vocab_block(r, w.shape[0], dev)
+    bv = _block_cols(r, w.shape[0], dev)
     wa = _aug_weight_buf(bv, h, dev)
     zbuf = torch.empty(r * bv, device=dev, dtype=torch.float32)
     ebuf = torch.empty_like(zbuf) if a_c is not None else None

@@ -1,6 +1,6 @@
 """Shared plumbing of the fused kernels: input checks, backend choice, chunk sizing, fp32 GEMMs.
 
-Nothing here knows about losses; `linear_logprobs.py` and `policy_loss.py` build on it.
+Nothing here knows about losses; `linear_logprobs.py` and the policy loss's modules build on it.
 """
 from __future__ import annotations
 
@@ -11,14 +11,6 @@ import torch
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("auto", "torch", "triton", "triton-fused")
-
-# Bytes of fp32 logits one chunk may hold. The torch backend keeps ~3 chunk-sized temporaries
-# alive at once (logits, shifted logits, exp), the Triton backend ~2 (logits, dlogits), so the
-# real peak is a small multiple of this. GPU: large enough that the chunk GEMM saturates the
-# device; CPU: small enough to stay well under the naive N x V footprint.
-CHUNK_BYTES_CUDA = 256 << 20
-CHUNK_BYTES_CPU = 32 << 20
-
 
 def triton_usable(device: torch.device) -> bool:
     """Triton kernels run on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1."""
@@ -108,113 +100,10 @@ def check_fused_forward(backend: str, head) -> None:
                          f"temperature); use backend='triton'")
 
 
-def chunk_rows(n: int, v: int, device: torch.device, chunk_size: int | None = None) -> int:
-    """Rows per chunk so that one fp32 [rows, V] logits block stays within the byte budget."""
-    if chunk_size is not None:
-        if int(chunk_size) < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        return int(chunk_size)
-    budget = CHUNK_BYTES_CUDA if device.type == "cuda" else CHUNK_BYTES_CPU
-    rows = max(1, budget // (4 * max(v, 1)))
-    if rows >= 64:
-        rows -= rows % 64  # GEMM-friendly row counts
-    return max(1, min(rows, max(n, 1)))
-
-
-def fused_rows(n: int, v: int, dtype: torch.dtype, device: torch.device,
-               chunk_size: int | None = None, budget_bytes: int | None = None) -> int:
-    """Rows per launch of backend 'triton-fused' (_fused_lse.py): its per-row workspace is 4 fp32
-    numbers per vocabulary tile (partials + merge; about 1/32 of an fp32 logits row), held to the
-    same byte budget as a logits chunk (or `budget_bytes`): all 16384 rows in one launch at
-    V=128256 on CUDA."""
-    if chunk_size is not None:
-        return chunk_rows(n, v, device, chunk_size)
-    from ._fused_lse import partial_bytes_per_row    # imports triton: only for this backend
-    budget = budget_bytes or (CHUNK_BYTES_CUDA if device.type == "cuda" else CHUNK_BYTES_CPU)
-    return max(1, min(max(n, 1), budget // partial_bytes_per_row(v, dtype, device)))
-
-
-# Torch backend (vocabulary-blocked, see _blocked.py): rows per row block (dW_b GEMMs have K =
-# rows, so more is better up to where X stops fitting caches); the vocabulary block then
-# follows from the same byte budget.
-TORCH_BLOCK_ROWS = 4096
-
-
-def torch_block_rows(n: int, chunk_size: int | None = None) -> int:
-    """Rows per row block of the torch backend (chunk_size overrides, as in chunk_rows)."""
-    if chunk_size is not None:
-        if int(chunk_size) < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        return int(chunk_size)
-    return max(1, min(n, TORCH_BLOCK_ROWS))
-
-
-# One [rows, V_b] fp32 block of the torch backend on the CPU: small enough that the GEMM's packed
-# weight block and the elementwise passes stay in cache. Measured end to end (H=576, V=49152,
-# N=4096, 1 thread, 2-core EPYC, side by side): 12 MiB (768 columns) ~3% faster than 8 and 16,
-# ~8% faster than 32.
-VOCAB_BLOCK_BYTES_CPU = 12 << 20
-
-
-def vocab_block(rows: int, v: int, device: torch.device) -> int:
-    """Vocabulary columns per block so one fp32 [rows, V_b] block stays within the budget."""
-    budget = CHUNK_BYTES_CUDA if device.type == "cuda" else VOCAB_BLOCK_BYTES_CPU
-    cols = max(1, budget // (4 * max(rows, 1)))
-    if cols >= 128:
-        cols -= cols % 64
-    return max(1, min(cols, v))
-
-
-# Vocabulary-outer backward of the row-chunked path (Triton backend; LM-head variants on the torch
-# backend): the workspace it may use besides the dX / dW it returns. GPU: at N=16384, H=4096 the
-# fp32 dX accumulator takes 256 MiB and the rest holds [N, V_b] logit blocks of 8192 columns
-# (bf16 dZ), 16 blocks at V=128256. CPU: small enough to stay in the spirit of the 32 MiB chunks.
-WORKSPACE_BYTES_CUDA = 1 << 30
-WORKSPACE_BYTES_CPU = 64 << 20
-
-
 def grad_dtype(w: torch.Tensor) -> torch.dtype:
     """dtype of dZ, the operand of the dX / dW GEMMs: the weight's on CUDA (tensor cores, fp32
     results), fp32 on the CPU (mm_f32 upcasts anyway, so fp32 avoids a rounding step)."""
     return w.dtype if w.is_cuda else torch.float32
-
-
-# One-pass fused policy loss (kernels/policy_loss.py, row-chunked: a chunk holds whole rows of
-# logits, its dZ^T X_c is added into one fp32 V x H dW accumulator). Its workspace = that
-# accumulator + the chunk's buffers. Few chunks make the accumulator's read-modify-write cheap:
-# with K = rows, its 8 bytes per element could hide behind the GEMM's FLOPs from ~740 rows on an
-# H200 only at benchmarks/roofline.py's optimistic end (790 TFLOP/s, 4.3 TB/s, all traffic
-# overlapped); its central estimate leaves part of it exposed (docs/kernels.md; a prediction, no GPU
-# has measured it). At H=4096, V=128256 the accumulator alone is 1.96 GiB and 3 GiB leaves ~1400
-# rows per chunk (12 chunks at N=16384).
-FUSED_WORKSPACE_BYTES_CUDA = 3 << 30
-
-
-def fused_loss_rows(n: int, v: int, device: torch.device, *, elem_bytes: int, fixed_bytes: int,
-                    workspace_bytes: int | None = None, chunk_size: int | None = None) -> int:
-    """Rows per chunk of the one-pass fused loss.
-
-    Workspace = `fixed_bytes` (the fp32 V x H dW accumulator when dW is needed, plus any other
-    V x H copy the path makes) + rows x V x `elem_bytes` (the chunk's fp32 logits, pre-cap
-    logits, low-precision dZ). `chunk_size` overrides. Without a budget: on CUDA
-    FUSED_WORKSPACE_BYTES_CUDA, but never fewer rows than `chunk_rows` (the 256 MiB logits
-    chunks used before the budget existed); on the CPU `chunk_rows` (32 MiB chunks). A budget
-    that cannot hold `fixed_bytes` plus one row is refused.
-    """
-    if chunk_size is not None or (workspace_bytes is None and device.type != "cuda"):
-        return chunk_rows(n, v, device, chunk_size)
-    budget = FUSED_WORKSPACE_BYTES_CUDA if workspace_bytes is None else workspace_bytes
-    rows = (budget - fixed_bytes) // (max(v, 1) * elem_bytes)
-    if workspace_bytes is None:
-        rows = max(rows, chunk_rows(n, v, device))
-    elif rows < 1:
-        raise ValueError(f"workspace_bytes={workspace_bytes} cannot hold the fused loss's "
-                         f"{fixed_bytes}-byte fixed part (the fp32 dW accumulator unless "
-                         f"dw_accum_dtype=weight.dtype) plus one {v * elem_bytes}-byte "
-                         f"row of logits; raise it or use fused=False")
-    if rows >= 128:
-        rows -= rows % 64       # GEMM-friendly row counts
-    return max(1, min(int(rows), max(n, 1)))
 
 
 def check_workspace_bytes(workspace_bytes) -> int | None:
@@ -227,27 +116,71 @@ def check_workspace_bytes(workspace_bytes) -> int | None:
     return workspace_bytes
 
 
-def vocab_outer_plan(n: int, h: int, v: int, device: torch.device, *, block_elem_bytes: int,
-                     workspace_bytes: int | None = None, rows: int | None = None):
-    """(rows per row group R, vocabulary columns per block V_b) of the vocabulary-outer backward.
+# ---- chunk sizing: the budgets, and the one planner every kernel loop sizes its steps with ----
 
-    Workspace = fp32 dX accumulator [R, H] + per block an [R, V_b] set of buffers of
-    `block_elem_bytes` per element (fp32 logits, dZ, the pre-cap logits with a soft-cap) + an
-    fp32 [V_b, H] dW block. R = all rows when their dX accumulator fits half the budget (then each
-    dW block is written exactly once); `rows` (the caller's chunk_size) overrides R.
+# Bytes of fp32 logits one chunk may hold. The torch backend keeps ~3 chunk-sized temporaries
+# alive at once (logits, shifted logits, exp), the Triton backend ~2 (logits, dlogits), so the
+# real peak is a small multiple of this. GPU: large enough that the chunk GEMM saturates the
+# device; CPU: small enough to stay well under the naive N x V footprint.
+CHUNK_BYTES_CUDA = 256 << 20
+CHUNK_BYTES_CPU = 32 << 20
+
+# Torch backend (vocabulary-blocked, see _blocked.py): rows per row block (dW_b GEMMs have K =
+# rows, so more is better up to where X stops fitting caches); the vocabulary block then
+# follows from VOCAB_BLOCK_BYTES_CPU.
+TORCH_BLOCK_ROWS = 4096
+
+# One [rows, V_b] fp32 block of the torch backend on the CPU: small enough that the GEMM's packed
+# weight block and the elementwise passes stay in cache. Measured end to end (H=576, V=49152,
+# N=4096, 1 thread, 2-core EPYC, side by side): 12 MiB (768 columns) ~3% faster than 8 and 16,
+# ~8% faster than 32.
+VOCAB_BLOCK_BYTES_CPU = 12 << 20
+
+# Vocabulary-outer backward of the row-chunked path (Triton backend; LM-head variants on the torch
+# backend): the workspace it may use besides the dX / dW it returns. GPU: at N=16384, H=4096 the
+# fp32 dX accumulator takes 256 MiB and the rest holds [N, V_b] logit blocks of 8192 columns
+# (bf16 dZ), 16 blocks at V=128256. CPU: small enough to stay in the spirit of the 32 MiB chunks.
+WORKSPACE_BYTES_CUDA = 1 << 30
+WORKSPACE_BYTES_CPU = 64 << 20
+
+# One-pass fused policy loss (_fused_linear_loss.py, row-chunked: a chunk holds whole rows of
+# logits, its dZ^T X_c is added into one fp32 V x H dW accumulator). Its workspace = that
+# accumulator + the chunk's buffers. Few chunks make the accumulator's read-modify-write cheap:
+# with K = rows, its 8 bytes per element could hide behind the GEMM's FLOPs from ~740 rows on an
+# H200 only at benchmarks/roofline.py's optimistic end (790 TFLOP/s, 4.3 TB/s, all traffic
+# overlapped); its central estimate leaves part of it exposed (docs/kernels.md; a prediction, no GPU
+# has measured it). At H=4096, V=128256 the accumulator alone is 1.96 GiB and 3 GiB leaves ~1400
+# rows per chunk (12 chunks at N=16384).
+FUSED_WORKSPACE_BYTES_CUDA = 3 << 30
+
+
+def plan_chunk(limit: int, item_bytes: int, budget: int, *, fixed_bytes: int = 0,
+               chunk_size: int | None = None, align: int = 64, align_from: int | None = None,
+               floor: int = 1, at_least: int | None = None, refuse: str | None = None) -> int:
+    """How many items -- rows of a chunk, columns of a vocabulary block -- one step of a kernel
+    loop takes: the number of `item_bytes`-sized items that `budget` bytes hold beside
+    `fixed_bytes`, rounded down to a multiple of `align` once it reaches `align_from` (default
+    2 x align; GEMM-friendly sizes), then at most `limit` (all of them) and at least `floor`.
+
+    chunk_size: the caller's own count, taken as it is (refused below 1).
+    at_least: a count the budget may not lower the result below (applied before the rounding).
+    refuse: raise ValueError(refuse) when the budget holds no item (else `floor` is taken).
+    Every chunk and block size of the kernels comes from here; the callers state their budget
+    and item size (linear_logprobs.forward_rows, _blocked._block_cols,
+    _fused_linear_loss.fused_loss_rows, _vocab_outer.vocab_outer_plan).
     """
-    budget = workspace_bytes or (WORKSPACE_BYTES_CUDA if device.type == "cuda"
-                                 else WORKSPACE_BYTES_CPU)
-    if rows is None:
-        rows = n if n * h * 4 <= budget // 2 else (budget // 2) // (h * 4)
-        if rows >= 128:
-            rows -= rows % 64
-    rows = max(1, min(int(rows), max(n, 1)))
-    left = max(0, budget - rows * h * 4)
-    cols = left // (rows * block_elem_bytes + h * 4)
-    if cols >= 256:
-        cols -= cols % 128      # GEMM-friendly block widths
-    return rows, max(16, min(int(cols), v))
+    if chunk_size is not None:
+        if int(chunk_size) < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        return int(chunk_size)
+    count = (budget - fixed_bytes) // item_bytes
+    if at_least is not None:
+        count = max(count, at_least)
+    elif count < 1 and refuse is not None:
+        raise ValueError(refuse)
+    if count >= (2 * align if align_from is None else align_from):
+        count -= count % align
+    return max(floor, min(int(count), max(limit, 1)))
 
 
 def _is_dtensor(t) -> bool:
@@ -324,7 +257,8 @@ def check_temperature(temperature) -> float:
 # Support is probed once per (op, device type, dtype) on a 1 x 1 problem, never by catching the
 # error of a real call: an out-of-memory or shape error of a real GEMM always propagates. Where
 # the probe fails the fallback rounds the result to the input dtype first; that is warned once and
-# listed by `fp32_gemm_fallbacks()` (tests/test_fused_loss_plan.py checks the list).
+# kept in `_OUT_DTYPE_OK` (benchmarks/gpu_microbench.py writes it into its JSON as
+# `out_dtype_float32_gemms`).
 _OUT_DTYPE_OK: dict[str, bool] = {}
 
 
@@ -352,11 +286,6 @@ def _out_dtype_ok(fn, like: torch.Tensor) -> bool:
                           f"more, a little slower). torch >= 2.9 has it.", stacklevel=3)
         _OUT_DTYPE_OK[key] = ok
     return ok
-
-
-def fp32_gemm_fallbacks() -> list[str]:
-    """The (op:device:dtype) GEMMs that ran without `out_dtype=float32` in this process."""
-    return sorted(k for k, ok in _OUT_DTYPE_OK.items() if not ok)
 
 
 def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -20,13 +20,14 @@ once (in the weight's dtype, from an fp32 GEMM result), and the only accumulator
 [R, H] dX, re-read once per vocabulary block. With several row groups (a budget below the
 N x H x 4 bytes of dX) dW accumulates in fp32 across groups (N / R read-modify-writes instead of
 N / C). R and V_b come from a workspace budget the caller can set (`workspace_bytes`; see
-`_common.vocab_outer_plan`).
+`vocab_outer_plan`).
 """
 from __future__ import annotations
 
 import torch
 
-from ._common import addmm_f32_, grad_dtype, mm_f32
+from ._common import (WORKSPACE_BYTES_CPU, WORKSPACE_BYTES_CUDA, addmm_f32_, grad_dtype, mm_f32,
+                      plan_chunk)
 from ._rowmath import row_grad
 
 
@@ -39,6 +40,27 @@ def block_elem_bytes(w: torch.Tensor, head) -> int:
     if grad_dtype(w) != torch.float32:
         b += torch.finfo(w.dtype).bits // 8
     return b
+
+
+def vocab_outer_plan(n: int, h: int, v: int, device: torch.device, *, block_elem_bytes: int,
+                     workspace_bytes: int | None = None, rows: int | None = None):
+    """(rows per row group R, vocabulary columns per block V_b) of `vocab_outer_backward`.
+
+    Workspace = fp32 dX accumulator [R, H] + per block an [R, V_b] set of buffers of
+    `block_elem_bytes` per element (fp32 logits, dZ, the pre-cap logits with a soft-cap) + an
+    fp32 [V_b, H] dW block. R: the rows whose dX accumulator fits half the budget, at most all
+    of them, rounded down to a multiple of 64 from 128 on -- so all rows form one group (each dW
+    block written once) only when their count is a multiple of 64 or below 128; `rows` (the
+    caller's chunk_size) overrides R. V_b: what the rest of the budget holds.
+    """
+    budget = workspace_bytes or (WORKSPACE_BYTES_CUDA if device.type == "cuda"
+                                 else WORKSPACE_BYTES_CPU)
+    row_bytes = 4 * max(h, 1)
+    r = min(plan_chunk(n, row_bytes, min(budget // 2, n * row_bytes), chunk_size=rows),
+            max(n, 1))
+    cols = plan_chunk(v, r * block_elem_bytes + h * 4, budget, fixed_bytes=r * h * 4, align=128,
+                      floor=16)
+    return r, cols
 
 
 def vocab_outer_backward(x, w, t, lse, ent, g1, g2, inv_temp, backend, need_dx, need_dw,

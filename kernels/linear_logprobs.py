@@ -23,13 +23,13 @@ from __future__ import annotations
 import torch
 
 from ._blocked import blocked_backward, blocked_stats
-from ._common import (addmm_f32_, check_fused_forward, check_linear_inputs, check_targets,
-                      check_temperature, check_workspace_bytes, chunk_rows, fused_forward_backend,
-                      fused_rows, grad_dtype, mm_f32, resolve_backend, torch_block_rows,
-                      vocab_outer_plan)
+from ._common import (CHUNK_BYTES_CPU, CHUNK_BYTES_CUDA, TORCH_BLOCK_ROWS, addmm_f32_,
+                      check_fused_forward, check_linear_inputs, check_targets, check_temperature,
+                      check_workspace_bytes, fused_forward_backend, grad_dtype, mm_f32, plan_chunk,
+                      resolve_backend)
 from ._head import build_head
 from ._rowmath import row_grad, row_stats, target_grad
-from ._vocab_outer import block_elem_bytes, vocab_outer_backward
+from ._vocab_outer import block_elem_bytes, vocab_outer_backward, vocab_outer_plan
 
 __all__ = ["linear_logprobs"]
 
@@ -162,6 +162,24 @@ def _row_chunked_stats(x, w, t, inv_temp, with_entropy, backend, chunk, head=Non
     return logp, lse, ent, off, off_ent
 
 
+def forward_rows(n: int, v: int, dtype, device: torch.device, backend: str, head=None,
+                 chunk_size: int | None = None, budget: int | None = None) -> int:
+    """Rows per chunk of the forward sweep (`chunk_size` overrides). The torch backend without a
+    head variant: row blocks of TORCH_BLOCK_ROWS (its vocabulary blocks follow from _blocked.py's
+    own budget). 'triton-fused': its per-row workspace, 4 fp32 numbers per vocabulary tile
+    (`_fused_lse.partial_bytes_per_row`, about 1/32 of an fp32 logits row), within the logits
+    budget or `budget`: all 16384 rows in one launch at V=128256 on CUDA. Otherwise one fp32
+    [rows, V] logits block within CHUNK_BYTES_CUDA / CHUNK_BYTES_CPU."""
+    if backend == "torch" and head is None:
+        return plan_chunk(n, 1, TORCH_BLOCK_ROWS, chunk_size=chunk_size, align=1)
+    logits_budget = CHUNK_BYTES_CUDA if device.type == "cuda" else CHUNK_BYTES_CPU
+    if backend == "triton-fused":
+        from ._fused_lse import partial_bytes_per_row    # imports triton: only for this backend
+        return plan_chunk(n, partial_bytes_per_row(v, dtype, device), budget or logits_budget,
+                          chunk_size=chunk_size, align=1)
+    return plan_chunk(n, 4 * max(v, 1), logits_budget, chunk_size=chunk_size, align_from=64)
+
+
 def compact_rows(mask: torch.Tensor | None, n: int):
     """Indices of loss-bearing rows (one host sync), or None when every row counts."""
     if mask is None:
@@ -200,7 +218,7 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
             (triton on CUDA, torch otherwise). "triton-fused": the forward's logits GEMM and
             log-sum-exp in one Triton tile kernel (logits never in memory, `_fused_lse.py`),
             the backward as "triton"; no LM-head bias / soft-cap.
-        chunk_size: rows per chunk (default: from a memory budget, see `_common.chunk_rows`).
+        chunk_size: rows per chunk (default: from a memory budget, see `forward_rows`).
         bias: [V] LM-head bias or None (differentiable).
         logit_softcap: c > 0 or None: logits = c * tanh(logits / c) (Gemma 2/3's
             final_logit_softcapping), applied after bias and scale, before the temperature.
@@ -230,12 +248,7 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     t = t.long().contiguous()
     x = x.contiguous()
     w = weight.contiguous()
-    if backend == "torch" and head is None:
-        chunk = torch_block_rows(x.shape[0], chunk_size)
-    elif backend == "triton-fused":
-        chunk = fused_rows(x.shape[0], v, x.dtype, x.device, chunk_size)
-    else:
-        chunk = chunk_rows(x.shape[0], v, x.device, chunk_size)
+    chunk = forward_rows(x.shape[0], v, x.dtype, x.device, backend, head, chunk_size)
     b = None if head is None else bias
     logp, ent = _LinearLogprobs.apply(x, w, b, t, inv_temp, bool(with_entropy), backend, chunk,
                                       head, chunk_size, check_workspace_bytes(workspace_bytes))

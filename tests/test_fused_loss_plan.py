@@ -1,13 +1,14 @@
-"""The fused policy loss's chunk plan (`_common.fused_loss_rows`, `workspace_bytes=`): the budget
-counts the fp32 V x H dW accumulator, bad budgets are refused, and budget-sized chunks (several,
-with an odd last one) still match a float64 reference through the Triton interpreter."""
+"""The fused policy loss's chunk plan (`_fused_linear_loss.fused_loss_rows`, `workspace_bytes=`):
+the budget counts the fp32 V x H dW accumulator, bad budgets are refused, and budget-sized chunks
+(several, with an odd last one) still match a float64 reference through the Triton interpreter."""
 import pytest
 import torch
 
 from _kernel_ref import rel_err
-from fastrehearse.kernels import PolicyLossConfig, linear_policy_loss, policy_loss
-from fastrehearse.kernels._common import (FUSED_WORKSPACE_BYTES_CUDA, chunk_rows,
-                                          fused_loss_rows)
+from fastrehearse.kernels import PolicyLossConfig, _fused_linear_loss, linear_policy_loss
+from fastrehearse.kernels._common import FUSED_WORKSPACE_BYTES_CUDA
+from fastrehearse.kernels._fused_linear_loss import fused_loss_rows
+from fastrehearse.kernels.linear_logprobs import forward_rows
 from test_policy_loss import TOL, make_batch, reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -28,25 +29,25 @@ def test_default_cuda_plan_counts_the_fp32_accumulator():
 
 
 def test_default_never_below_the_old_chunks_and_cpu_unchanged():
-    # an accumulator above the default budget: the default falls back to chunk_rows' chunks
-    # (256 MiB of fp32 logits) rather than refusing; only an explicit budget is refused
+    # an accumulator above the default budget: the default falls back to linear_logprobs' logits
+    # chunks (256 MiB of fp32 logits) rather than refusing; only an explicit budget is refused
     n, h, v = 16384, 8192, 256000
     assert fused_loss_rows(n, v, CUDA, elem_bytes=6, fixed_bytes=v * h * 4) \
-        == chunk_rows(n, v, CUDA)
+        == forward_rows(n, v, None, CUDA, "triton")
     assert fused_loss_rows(5000, 3000, CPU, elem_bytes=4, fixed_bytes=10 ** 9) \
-        == chunk_rows(5000, 3000, CPU)
+        == forward_rows(5000, 3000, None, CPU, "triton")
     assert fused_loss_rows(5000, 3000, CUDA, elem_bytes=4, fixed_bytes=0, chunk_size=7) == 7
     assert fused_loss_rows(50, 3000, CUDA, elem_bytes=4, fixed_bytes=0) == 50   # all rows
 
 
 def _recorded_rows(monkeypatch):
     seen = []
-    real = policy_loss.fused_loss_rows
+    real = _fused_linear_loss.fused_loss_rows
 
     def spy(*a, **kw):
         seen.append(real(*a, **kw))
         return seen[-1]
-    monkeypatch.setattr(policy_loss, "fused_loss_rows", spy)
+    monkeypatch.setattr(_fused_linear_loss, "fused_loss_rows", spy)
     return seen
 
 
@@ -186,7 +187,7 @@ def test_out_dtype_probe_warns_once_and_never_swallows_oom(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")          # once: the second call neither probes nor warns
         assert _common._out_dtype_ok(mm, like) is False
-    assert _common.fp32_gemm_fallbacks() == ["mm:cpu:bfloat16"]
+    assert [k for k, ok in _common._OUT_DTYPE_OK.items() if not ok] == ["mm:cpu:bfloat16"]
 
     def addmm(*a, **kw):                        # the probe itself runs out of memory
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

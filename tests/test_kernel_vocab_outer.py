@@ -55,8 +55,8 @@ def test_vocab_outer_backward_matches_float64(plan, backend, variant, dtype):
     mask = torch.rand(n, generator=g) > 0.2
     g1 = torch.randn(n, generator=g, dtype=torch.float64)
     g2 = torch.randn(n, generator=g, dtype=torch.float64)
-    rows, cols = _common.vocab_outer_plan(int(mask.sum()), h, v, torch.device("cpu"),
-                                          block_elem_bytes=8, workspace_bytes=ws, rows=chunk)
+    rows, cols = _vocab_outer.vocab_outer_plan(int(mask.sum()), h, v, torch.device("cpu"),
+                                               block_elem_bytes=8, workspace_bytes=ws, rows=chunk)
     if ws is not None:
         assert cols < v                                   # several vocabulary blocks really run
     if plan.startswith("row_groups"):
@@ -93,14 +93,14 @@ def test_plan_at_the_issue_shape_fits_the_budget_and_writes_dw_once():
     n, h, v = 16384, 4096, 128256
     cuda = torch.device("cuda")
     for elem in (4 + 2, 4 + 4 + 2):                      # plain head; soft-cap (pre-cap block too)
-        rows, cols = _common.vocab_outer_plan(n, h, v, cuda, block_elem_bytes=elem)
+        rows, cols = _vocab_outer.vocab_outer_plan(n, h, v, cuda, block_elem_bytes=elem)
         work = rows * h * 4 + rows * cols * elem + cols * h * 4
         assert rows == n and cols >= 2048 and cols % 128 == 0
         assert work <= _common.WORKSPACE_BYTES_CUDA
-    rows, cols = _common.vocab_outer_plan(n, h, v, cuda, block_elem_bytes=6,
-                                          workspace_bytes=256 << 20)
+    rows, cols = _vocab_outer.vocab_outer_plan(n, h, v, cuda, block_elem_bytes=6,
+                                               workspace_bytes=256 << 20)
     assert rows < n and rows * h * 4 <= 128 << 20        # a small budget: row groups
-    assert _common.vocab_outer_plan(n, h, v, cuda, block_elem_bytes=6, rows=1000)[0] == 1000
+    assert _vocab_outer.vocab_outer_plan(n, h, v, cuda, block_elem_bytes=6, rows=1000)[0] == 1000
     with pytest.raises(ValueError, match="workspace_bytes must be a positive int"):
         linear_logprobs(torch.randn(2, 4), torch.randn(5, 4), torch.tensor([0, 1]),
                         workspace_bytes=0)

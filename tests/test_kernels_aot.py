@@ -134,14 +134,13 @@ def _fake(shape, dtype):
 
 
 def _chunks(h: int, v: int) -> list[int]:
-    """Rows per chunk on CUDA: linear_logprobs' forward (chunk_rows) and the fused policy loss's
-    default workspace plan (fp32 Z + bf16 dZ, the fp32 V x H dW accumulator counted)."""
-    from fastrehearse.kernels import _common
+    """Rows per chunk on CUDA: linear_logprobs' forward (`forward_rows`) and the fused policy
+    loss's default workspace plan (fp32 Z + bf16 dZ, the fp32 V x H dW accumulator counted)."""
+    from fastrehearse.kernels._fused_linear_loss import fused_loss_rows
+    from fastrehearse.kernels.linear_logprobs import forward_rows
     dev = torch.device("cuda")
-    out = {_common.chunk_rows(N_ROWS, v, dev)}
-    if hasattr(_common, "fused_loss_rows"):
-        out.add(_common.fused_loss_rows(N_ROWS, v, dev, elem_bytes=6, fixed_bytes=v * h * 4))
-    return sorted(out)
+    return sorted({forward_rows(N_ROWS, v, DTYPE, dev, "triton"),
+                   fused_loss_rows(N_ROWS, v, dev, elem_bytes=6, fixed_bytes=v * h * 4)})
 
 
 def recipe_rows(h: int, v: int) -> None:
@@ -201,14 +200,13 @@ def recipe_vocab_outer(h: int, v: int) -> None:
     from fastrehearse.kernels import _common, _rows
     try:
         from fastrehearse.kernels._head import HeadTransform
-        from fastrehearse.kernels._vocab_outer import block_elem_bytes
+        from fastrehearse.kernels._vocab_outer import block_elem_bytes, vocab_outer_plan
     except ImportError:    # a checkout without the vocabulary-outer backward
         return
     dev = torch.device("cuda")
     w = _fake((v, h), DTYPE)
     for head in (None, HeadTransform(_fake((v,), DTYPE), 30.0, 0.5)):
-        rows, cols = _common.vocab_outer_plan(N_ROWS, h, v, dev,
-                                              block_elem_bytes=block_elem_bytes(w, head))
+        rows, cols = vocab_outer_plan(N_ROWS, h, v, dev, block_elem_bytes=block_elem_bytes(w, head))
         r = min(rows, N_ROWS)
         vec = lambda: _fake((r,), torch.float32)  # noqa: E731
         for v0 in sorted({0, (v - 1) // cols * cols}):          # a full block and the last one
@@ -230,15 +228,15 @@ def recipe_vocab_outer(h: int, v: int) -> None:
 
 def recipe_fused_lse(h: int, v: int, dtype: torch.dtype = DTYPE) -> None:
     """backend='triton-fused' (kernels/_fused_lse.py): the tile kernel (tl.dot + log-sum-exp) as
-    its forward launches it, rows per launch from the code's own budget (`fused_rows`), with and
+    its forward launches it, rows per launch from the code's own budget (`forward_rows`), with and
     without the entropy; bf16 here (tensor cores), fp32 (IEEE dot) and fp16 in the two below."""
-    from fastrehearse.kernels import _common
+    from fastrehearse.kernels.linear_logprobs import forward_rows
     try:
         from fastrehearse.kernels import _fused_lse
     except ImportError:    # a checkout without the fused backend
         return
     dev = torch.device("cuda")
-    c = _common.fused_rows(N_ROWS, v, dtype, dev)
+    c = forward_rows(N_ROWS, v, dtype, dev, "triton-fused")
     x, w, t = _fake((c, h), dtype), _fake((v, h), dtype), _fake((c,), torch.int64)
     for with_ent in (False, True):
         _fused_lse.fused_row_stats(x, w, t, 1.0, with_ent)

@@ -117,8 +117,8 @@ def test_hand_computed_flops_and_bytes(recs):
     (dw,) = _pieces(fused, "dW += ")
     assert dw["count"] == 32 and dw["flops"] == 2 * 512 * V * H
     assert dw["bytes"] == 512 * V * 2 + 512 * H * 2 + 2 * V * H * 4
-    # the current code: chunks from _common.fused_loss_rows' default 3 GiB budget, which counts
-    # the fp32 V x H accumulator: 11 chunks of 1408 rows and a last one of 896
+    # the current code: chunks from _fused_linear_loss.fused_loss_rows' default 3 GiB budget,
+    # which counts the fp32 V x H accumulator: 11 chunks of 1408 rows and a last one of 896
     cur = _find(recs, "ours-fused-loss", "budgeted")
     assert cur["flops"] == pytest.approx(6 * nhv, rel=1e-12)
     assert cur["workspace_bytes"] == V * H * 4 + 1408 * V * (4 + 2) <= 3 * 2**30
