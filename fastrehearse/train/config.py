@@ -165,8 +165,8 @@ def get_key(cfg, dotted: str):
 
 
 def _set(cfg, dotted: str, value) -> None:
-    *sections, name = dotted.split(".")
-    obj = get_key(cfg, ".".join(sections)) if sections else cfg
+    *head, name = dotted.split(".")
+    obj = get_key(cfg, ".".join(head)) if head else cfg
     path = _fields(type(obj))[name][0]
     setattr(_at(obj, path[:-1]), path[-1], value)
 
@@ -260,15 +260,18 @@ def move_renamed(data: dict, notify: Callable[[str], None] | None = None) -> dic
         value = section.pop(name)
         shown = f"'{old}'"
         if values is not None:
-            if value not in values:
+            if not isinstance(value, str) or value not in values:
                 raise ConfigError(f"config key '{old}' = {value!r} is not one of {list(values)}")
             shown, value = f"'{old}: {value}'", values[value]
         *path, name = new.split(".")
         target = data
-        for part in path:
-            target = target.setdefault(part, {})
+        for i, part in enumerate(path):
+            if target.get(part) is None:     # an empty section, as from_dict reads it
+                target[part] = {}
+            target = target[part]
             if not isinstance(target, dict):
-                raise ConfigError(f"config key '{'.'.join(path)}' must be a mapping (a section), got {target!r}")
+                raise ConfigError(f"config key '{'.'.join(path[:i + 1])}' must be a mapping (a section), "
+                                  f"got {target!r}")
         if name in target:
             raise ConfigError(f"config key '{old}' moved to '{new}', and both are set: keep only '{new}'")
         target[name] = value
