@@ -8,7 +8,8 @@ TinyModelOptions. Loading, `--set` overrides and checks: fastrehearse/train/conf
 may change on resume: fastrehearse/train/run_dir.py.
 
 A choice is written as a Literal annotation (checked as the key is read); a component's own value
-rules are its `validate()`; ranges and rules across sections are the loader's `validate`.
+rules are its `validate()` (the kernel's PolicyLossConfig checks each field as it is set); ranges
+and rules across sections are the loader's `validate`.
 """
 from __future__ import annotations
 
