@@ -18,7 +18,7 @@ same optimizer steps, learning rate and trajectories per step:
   Hw0, Hg0  (only when named in --arms) H with w_observed 0 / with grounded_weight 0: which term
       drove H's collapse
   Cag  (only when named) Ca with the world-model reward gated on ACT signal
-      (algo.world_reward.gate=act_signal): without ACT signal the world-model reward alone moved Ca
+      (algo.advantage.gate_rehearse_on_act=true): without ACT signal the world-model reward alone moved Ca
   Calr (only when named) Ca at lr 2e-5: the lr scaled by the rollout temperature 0.4
 Then per checkpoint (the warm-up's too): `fastrehearse eval` (real tools, greedy) on the seen
 families' held-out tasks (answer-checked; call success rescored from the same episodes), the
@@ -81,7 +81,7 @@ DEFAULT_SEEDS = {"R": 4, "Ca": 4, "Cc": 3, "H": 3, "S": 2}
 ABLATIONS = {   # arm: (name, the arm it ablates, its extra --sets)
     "Hw0": ("H without CE on real responses (w_observed 0)", "H", ["algo.loss.w_observed=0.0"]),
     "Hg0": ("H without the grounded world reward (grounded_weight 0)", "H", ["algo.world_reward.grounded_weight=0.0"]),
-    "Cag": ("Ca with the world-model reward gated on ACT signal", "Ca", ["algo.world_reward.gate=act_signal"]),
+    "Cag": ("Ca with the world-model reward gated on ACT signal", "Ca", ["algo.advantage.gate_rehearse_on_act=true"]),
     # At rollout temperature T the trained log-probs are of softmax(z / T): a weight step moves the
     # sampled distribution's logits 1/T times as far as at T = 1. Ca at lr 2e-5 = 5e-5 x 0.4 tests
     # whether the collapses of the T = 0.4 runs are that larger effective step (docs/learning.md).
@@ -255,8 +255,8 @@ def train_cmd(a, run_dir: Path, sets: list[str]) -> list[str]:
 
 def _eval_common(cfg, export: Path) -> list[str]:
     # episode tokens: the model's context (no item refused for length)
-    return ["--suite", "builtin", "--policy", str(export), "--max-turns", str(cfg.rollout.max_turns),
-            "--max-new-tokens", str(cfg.rollout.max_new_tokens), "--seed", "0", "--quiet"]
+    return ["--suite", "builtin", "--policy", str(export), "--max-turns", str(cfg.rollout.engine.max_turns),
+            "--max-new-tokens", str(cfg.rollout.engine.max_new_tokens), "--seed", "0", "--quiet"]
 
 
 def pilot_eval_cmd(a, cfg, export: Path, run_dir: Path) -> tuple[str, Path, list[str]]:

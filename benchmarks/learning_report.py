@@ -279,6 +279,19 @@ def plan_of(a, cfg) -> dict:
             "categories": categories(a, cfg), "drift": None if a.no_drift else "rename,errors,units,formats"}
 
 
+def same_sets(a: list[str], b: list[str]) -> bool:
+    """Two lists of --set overrides configure the same run (a key written at its old path, read
+    at its new one, included)."""
+    from fastrehearse.train.config import TrainConfig, apply_override, to_dict
+
+    def applied(sets):
+        cfg = TrainConfig()
+        for s in sets:
+            apply_override(cfg, s, notify=None)
+        return to_dict(cfg)
+    return applied(a) == applied(b)
+
+
 def load_priors(a, cfg, paths: list) -> dict:
     """{(arm, seed): {"record", "source", "time", "warmup"}} of the planned runs an earlier report
     holds. ValueError (one line, naming the file and the setting) when a file is unreadable or was
@@ -301,7 +314,7 @@ def load_priors(a, cfg, paths: list) -> dict:
         for arm, rec in arms.items():
             if arm not in a.seeds:
                 continue
-            if rec.get("sets") != ARM_SETS[arm]:
+            if not same_sets(rec.get("sets") or [], ARM_SETS[arm]):
                 raise ValueError(f"--prior {path}: arm {arm} was run with --set {rec.get('sets')}, "
                                  f"now {ARM_SETS[arm]}")
             for seed, srec in rec["seeds"].items():

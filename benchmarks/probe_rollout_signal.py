@@ -91,7 +91,6 @@ def probe(a, name: str, path: str, arm: str, temperature: float | None) -> dict:
     from fastrehearse.algo.advantages import compute_advantages
     from fastrehearse.train.build import setup
     from fastrehearse.train.config import load_config
-    from fastrehearse.train.loop import advantage_config
     from fastrehearse.train.parallelize import init_distributed
     from fastrehearse.train.rollouts import rollout, rollout_row
     from fastrehearse.train.tasks import next_tasks, step_seed
@@ -104,16 +103,16 @@ def probe(a, name: str, path: str, arm: str, temperature: float | None) -> dict:
                 *([f"rollout.temperature={temperature}"] if temperature is not None else [])]
         cfg = load_config(bl.ROOT / a.config, sets)
         run = setup(cfg, init_distributed(cfg.device))
-        c, steps, kept = cfg.rollout, [], []
+        c, ec, steps, kept = cfg.rollout, cfg.rollout.engine, [], []
         t0 = time.perf_counter()
         for step in range(a.steps):    # the trainer's rl_step 1..K tasks and seeds (loop.py), no update
             tasks = next_tasks(run.train_tasks, step * c.tasks_per_step, c.tasks_per_step, cfg.seed)
             t_step = time.perf_counter()
-            eps, metrics, failures = rollout(run, tasks, mode=c.mode, temperature=c.temperature,
+            eps, metrics, failures = rollout(run, tasks, mode=ec.mode, temperature=ec.temperature,
                                              seed=step_seed(cfg.seed, step, 0), group_size=c.group_size,
-                                             measure_fidelity=c.measure_fidelity)
+                                             measure_fidelity=ec.measure_fidelity)
             row = rollout_row(eps, [metrics], time.perf_counter() - t_step)
-            adv = compute_advantages(eps, advantage_config(cfg.algo))
+            adv = compute_advantages(eps, cfg.algo.advantage)
             row.update(failures=failures, zero_signal_act=adv.zero_signal_frac.get("ACT", 0.0),
                        zero_signal_rehearse=adv.zero_signal_frac.get("REHEARSE", 0.0),
                        groups=adv.num_groups, act_signal_groups=adv.act_signal_groups,
@@ -122,7 +121,7 @@ def probe(a, name: str, path: str, arm: str, temperature: float | None) -> dict:
             for e in eps[:max(0, a.show - len(kept))]:
                 _show(run.tokenizer, e)
             kept += eps
-            print(f"  {name}/{arm}/T={c.temperature} step {step + 1}/{a.steps}: reward {row.get('reward', float('nan')):.3f}, "
+            print(f"  {name}/{arm}/T={ec.temperature} step {step + 1}/{a.steps}: reward {row.get('reward', float('nan')):.3f}, "
                   f"zero-signal ACT groups {row['zero_signal_act']:.2f}", flush=True)
         wall = time.perf_counter() - t0
         run.logger.close()
@@ -133,7 +132,7 @@ def probe(a, name: str, path: str, arm: str, temperature: float | None) -> dict:
         xs = [float(x) for x in xs if x is not None]
         return statistics.fmean(xs) if xs else None
     sha = bl.weights_sha256(Path(path)) if (Path(path) / "config.json").is_file() else None
-    out = {"model": name, "path": path, "weights_sha256": sha, "arm": arm, "temperature": cfg.rollout.temperature,
+    out = {"model": name, "path": path, "weights_sha256": sha, "arm": arm, "temperature": cfg.rollout.engine.temperature,
            "seed": cfg.seed, "episodes": len(rewards),
            "failures": sum(s["failures"] for s in steps),
            "reward": mean(rewards),

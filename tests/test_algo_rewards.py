@@ -265,8 +265,7 @@ def test_world_reward_gated_on_act_signal():
     rehearse arm's zero-reward seeds), untouched in a group where ACT has signal; ungated, both
     groups train REHEARSE. Hybrid: a group has ACT signal when some stratum does."""
     from fastrehearse.algo.advantages import AdvantageConfig
-    from fastrehearse.train.loop import advantage_config
-    from fastrehearse.train.config import AlgoConfig
+    from fastrehearse.train.config import load_config
     A, R, C = int(Role.ACT), int(Role.REHEARSE), int(Role.CONTEXT)
 
     def eps():   # group "flat": task reward 0, 0 (no ACT signal); group "live": 1, 0
@@ -298,11 +297,10 @@ def test_world_reward_gated_on_act_signal():
     h[0].reward = 1.0
     sh = compute_advantages(h, AdvantageConfig(gate_rehearse_on_act=True))
     assert h[0].advantages == [0.0] * 4 and sh.act_signal_groups == 0
-    # the config key reaches the advantages; a bad value is refused by name
-    assert advantage_config(AlgoConfig(world_reward=WorldRewardConfig(mode="world", gate="act_signal"))).gate_rehearse_on_act
-    assert not advantage_config(AlgoConfig()).gate_rehearse_on_act
-    with pytest.raises(ValueError, match="world_reward.gate"):
-        WorldRewardConfig(gate="act")
+    # the config key is the AdvantageConfig the trainer passes to compute_advantages
+    assert load_config(None, ["algo.advantage.gate_rehearse_on_act=true"]).algo.advantage == \
+        AdvantageConfig(gate_rehearse_on_act=True)
+    assert not load_config(None).algo.advantage.gate_rehearse_on_act
     with pytest.raises(ValueError, match="ACT before REHEARSE"):
         compute_advantages(eps(), AdvantageConfig(gate_rehearse_on_act=True), roles=(Role.REHEARSE, Role.ACT))
 

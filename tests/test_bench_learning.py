@@ -471,6 +471,9 @@ def test_prior_records_reused_only_for_the_same_plan_and_warmup(tmp_path):
     (tmp_path / "sets.json").write_text(json.dumps(sets))
     with pytest.raises(ValueError, match="arm R was run with"):
         lr.load_priors(a, cfg, [tmp_path / "sets.json"])
+    # a key recorded at its old path is the same setting (the Cag arm of learning_v2_t04_smollm2.json)
+    assert lr.same_sets(["algo.world_reward.gate=act_signal"], bl.ARM_SETS["Cag"][-1:])
+    assert not lr.same_sets(["algo.world_reward.gate=act_signal"], [])
     with pytest.raises(ValueError, match="also in"):
         lr.load_priors(a, cfg, [good, good])
     (tmp_path / "junk.json").write_text("[1, 2]")

@@ -68,8 +68,8 @@ def test_kv_growth_and_prefill_from_the_no_grad_peak(multi_turn):
     working = layer_prefill_bytes(hf_config)
     full, _ = layer_activation_bytes(hf_config)
     assert hf_config.hidden_size * 2 < working < 0.6 * full      # the saved set over-counted a prefill
-    distinct = min(64 // 16, cfg.rollout.max_batch_size)
-    assert items["prefill working set, one layer (no grad)"] == int(working * distinct * cfg.rollout.max_episode_tokens)
+    distinct = min(64 // 16, cfg.rollout.engine.max_batch_size)
+    assert items["prefill working set, one layer (no grad)"] == int(working * distinct * cfg.rollout.engine.max_episode_tokens)
 
 
 def test_rollback_copy_lives_in_the_optimizer_step_and_its_cost_is_printed(multi_turn):

@@ -238,13 +238,13 @@ def test_consistent_without_source_is_refused_at_start(tmp_path):
 def test_fidelity_is_off_for_mcp_unless_asked_or_side_effect_free():
     base = ["env.suite=mcp"]
     cfg = load_config(None, base)
-    assert (cfg.rollout.measure_fidelity, cfg.eval.fidelity) == (False, False)
+    assert (cfg.rollout.engine.measure_fidelity, cfg.eval.fidelity) == (False, False)
     cfg = load_config(None, base + ["eval.fidelity=true"])
-    assert (cfg.rollout.measure_fidelity, cfg.eval.fidelity) == (False, True)
+    assert (cfg.rollout.engine.measure_fidelity, cfg.eval.fidelity) == (False, True)
     cfg = load_config(None, base + ["env.options.side_effect_free=true"])
-    assert (cfg.rollout.measure_fidelity, cfg.eval.fidelity) == (True, True)
+    assert (cfg.rollout.engine.measure_fidelity, cfg.eval.fidelity) == (True, True)
     cfg = load_config(None, [])
-    assert (cfg.rollout.measure_fidelity, cfg.eval.fidelity) == (True, True)   # builtin: unchanged
+    assert (cfg.rollout.engine.measure_fidelity, cfg.eval.fidelity) == (True, True)   # builtin: unchanged
 
 
 def _train(tmp_path, *sets):

@@ -81,7 +81,7 @@ def test_trainer_held_out_number_equals_fastrehearse_eval(tmp_path, monkeypatch)
     assert len(trainer) == 3 and all(r.error is None for r in trainer.values())
 
     out = tmp_path / "cli"
-    rc = cfg.rollout
+    rc = cfg.rollout.engine
     res = cli.run(cli.build_parser().parse_args([
         "--suite", "builtin", "--categories", "test:easy:task", "--policy", str(run_dir / "export"),
         "--limit", "3", "--max-turns", str(rc.max_turns), "--max-new-tokens", str(rc.max_new_tokens),

@@ -47,10 +47,10 @@ def test_from_rollout_carries_every_engine_field(tok, monkeypatch):
 
 
 def test_from_rollout_takes_the_trainers_rollout_config():
-    from fastrehearse.train.config import RolloutConfig as TrainRollout
-    rc = TrainRollout(on_max_new_tokens="end_episode", group_size=4)
-    s = EvalSettings.from_rollout(rc, seed=0)
-    assert type(s.rollout) is RolloutConfig            # the engine's fields only
+    from fastrehearse.train.config import load_config
+    cfg = load_config(None, ["rollout.on_max_new_tokens=end_episode", "rollout.group_size=4"])
+    s = EvalSettings.from_rollout(cfg.rollout.engine, seed=0)
+    assert type(s.rollout) is RolloutConfig
     assert s.rollout.on_max_new_tokens == "end_episode"
 
 
@@ -81,7 +81,7 @@ def test_trainer_evaluate_uses_every_rollout_field(monkeypatch):
     assert (r.on_max_new_tokens, r.on_malformed, r.temperature, r.mode) == \
         ("end_episode", "end_episode", 0.0, cfg.eval.mode)
     assert (r.max_turns, r.max_new_tokens, r.max_episode_tokens) == (
-        cfg.rollout.max_turns, cfg.rollout.max_new_tokens, cfg.rollout.max_episode_tokens)
+        cfg.rollout.engine.max_turns, cfg.rollout.engine.max_new_tokens, cfg.rollout.engine.max_episode_tokens)
 
 
 def test_keyword_settings_and_unknown_names():

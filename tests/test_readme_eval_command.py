@@ -34,7 +34,7 @@ def test_readme_eval_command_is_the_demo_eval():
     assert [t.id for _, t in run.items] == [t.id for t in eval_tasks]
 
     cli = settings(args, None)
-    train = EvalSettings.from_rollout(cfg.rollout, seed=cfg.seed, fidelity=cfg.eval.fidelity,
+    train = EvalSettings.from_rollout(cfg.rollout.engine, seed=cfg.seed, fidelity=cfg.eval.fidelity,
                                       temperature=cfg.eval.temperature, mode=cfg.eval.mode)
     assert (cli.seed, cli.fidelity, cli.fit_context) == (train.seed, train.fidelity, train.fit_context)
     a, b = dataclasses.asdict(cli.rollout), dataclasses.asdict(train.rollout)

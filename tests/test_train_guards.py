@@ -131,12 +131,12 @@ def test_prompt_length_warning_goes_to_the_run_log(run):
         env.close()
         lens.append(len(tmpl.render(list(r.messages), r.tools, add_generation_prompt=True).input_ids))
     assert min(lens) < max(lens)
-    saved = cfg.rollout.max_episode_tokens
+    saved = cfg.rollout.engine.max_episode_tokens
     try:
-        cfg.rollout.max_episode_tokens = max(lens)
+        cfg.rollout.engine.max_episode_tokens = max(lens)
         got = check_prompt_lengths(cfg, run.suite, tasks, run.tokenizer)
         assert len(got) == 1 and got[0].startswith("warning: ") and "nothing would be generated" in got[0]
-        cfg.rollout.max_episode_tokens = max(lens) + 1
+        cfg.rollout.engine.max_episode_tokens = max(lens) + 1
         assert check_prompt_lengths(cfg, run.suite, tasks, run.tokenizer) == []
     finally:
-        cfg.rollout.max_episode_tokens = saved
+        cfg.rollout.engine.max_episode_tokens = saved

@@ -36,7 +36,7 @@ episodes "real" / "rehearsed"), ACT's g is split by stratum: ACT is compared onl
 the same task whose calls were executed the same way. Other roles keep the task group.
 
 Gating the world model on ACT signal (`gate_rehearse_on_act`; config
-`algo.world_reward.gate: act_signal`): in a task group where ACT has no signal (every ACT stratum's
+`algo.advantage.gate_rehearse_on_act`): in a task group where ACT has no signal (every ACT stratum's
 rewards equal, or a single member) REHEARSE gets advantage 0 too, turn-level spans included. Why:
 with a world-model reward of its own (mode "world") REHEARSE keeps a gradient when the task reward
 pays nothing; through the shared weights that gradient alone moved the learning experiment's
@@ -61,8 +61,8 @@ RL_ROLES = (Role.ACT, Role.REHEARSE)
 
 @dataclass
 class AdvantageConfig:
-    std_normalize: bool = False
-    leave_one_out: bool = False
+    std_normalize: bool = False         # divide by the group's std + eps (off, as in the paper's code and Dr. GRPO)
+    leave_one_out: bool = False         # the RLOO baseline: the mean of the group's other members
     eps: float = 1e-6
     turn_reward_coef: float = 1.0
     gate_rehearse_on_act: bool = False   # REHEARSE advantage 0 in groups where ACT has no signal

@@ -27,7 +27,8 @@ per rehearsed response to a call (name, arguments),
   mean over its rehearsed responses (a rehearsal cut by a limit counts 0). mode="task" keeps
   today's rule: REHEARSE gets the episode's task reward.
 Its advantage then uses its own reward and its own baseline (algo/advantages.py: per task group,
-over the episodes that rehearsed); `gate: act_signal` zeroes it in groups where ACT has no signal.
+over the episodes that rehearsed); AdvantageConfig.gate_rehearse_on_act zeroes it in groups where
+ACT has no signal.
 
 Hybrid ACT strata (`algo.hybrid_baseline: strata`): each hybrid episode is tagged
 metadata["stratum"] = "real" (some call executed for real) or "rehearsed" (none), and ACT's
@@ -48,7 +49,6 @@ from fastrehearse.kernels.roles import Role
 
 TASK_REWARDS = ("real", "consistent", "calls")
 WORLD_MODES = ("task", "world")
-WORLD_GATES = ("none", "act_signal")
 HYBRID_BASELINES = ("strata", "pooled")
 
 
@@ -58,24 +58,20 @@ class WorldRewardConfig:
     mode: Literal["task", "world"] = "task"
     format_weight: float = 1.0
     grounded_weight: float = 1.0
-    # "act_signal": REHEARSE's advantage is 0 in task groups where ACT has none (algo/advantages.py)
-    gate: Literal["none", "act_signal"] = "none"
 
     def __post_init__(self) -> None:
-        self.check()
+        self.validate()
         object.__setattr__(self, "_ready", True)
 
     def __setattr__(self, key: str, value: Any) -> None:
         # `--set algo.world_reward.format_weight=-1` assigns after construction: check then too.
         super().__setattr__(key, value)
         if getattr(self, "_ready", False):
-            self.check()
+            self.validate()
 
-    def check(self) -> None:
+    def validate(self) -> None:
         if self.mode not in WORLD_MODES:
             raise ValueError(f"world_reward.mode must be one of {list(WORLD_MODES)}, got {self.mode!r}")
-        if self.gate not in WORLD_GATES:
-            raise ValueError(f"world_reward.gate must be one of {list(WORLD_GATES)}, got {self.gate!r}")
         for k in ("format_weight", "grounded_weight"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:

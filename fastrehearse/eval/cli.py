@@ -129,7 +129,7 @@ def load_train_config(args: argparse.Namespace):
     """--config: the trainer config (checked as `fastrehearse train` checks it); the flags not given
     take its values, --measure-fidelity its eval.fidelity (off for MCP servers unless the config
     or the flag asks: fidelity executes every rehearsed call for real)."""
-    from fastrehearse.train.config import ConfigError, check_env, load_config
+    from fastrehearse.train.config import ConfigError, check_env, get_key, load_config
     try:
         cfg = load_config(args.config)
         check_env(cfg)
@@ -137,10 +137,7 @@ def load_train_config(args: argparse.Namespace):
         raise UsageError(f"--config {args.config}: {e}") from None
     for flag, key in CONFIG_FLAGS.items():
         if flag not in args.given:
-            value = cfg
-            for part in key.split("."):
-                value = getattr(value, part)
-            setattr(args, flag, value)
+            setattr(args, flag, get_key(cfg, key))
     if not args.measure_fidelity:
         args.measure_fidelity = bool(cfg.eval.fidelity)
     args.suite = cfg.env.suite

@@ -6,7 +6,7 @@
 `EvalSettings` holds every knob that changes a number. Its engine knobs are one
 `fastrehearse.rollout.RolloutConfig` (turn and token limits, cut turns, malformed calls,
 decoding): the CLI builds it from its flags over `EVAL_ROLLOUT`, the trainer with
-`EvalSettings.from_rollout(cfg.rollout, ...)` from its own rollout config, so no field is
+`EvalSettings.from_rollout(cfg.rollout.engine, ...)` from its own rollout config, so no field is
 restated or dropped, and a checkpoint evaluated by either, with the same settings and seed, gets
 the same per-item results (tests/test_eval_engine.py).
 
@@ -60,10 +60,7 @@ class EvalSettings:
             fit_context = engine["max_episode_tokens"] is None
             if fit_context:
                 del engine["max_episode_tokens"]
-        base = rollout or EVAL_ROLLOUT
-        if type(base) is not RolloutConfig:   # e.g. the trainer's subclass: its engine fields only
-            base = RolloutConfig(**{f: getattr(base, f) for f in _ENGINE_FIELDS})
-        self.rollout = replace(base, **engine)
+        self.rollout = replace(rollout or EVAL_ROLLOUT, **engine)
         self.rollout.validate()
         self.seed, self.fidelity, self.fit_context = seed, fidelity, fit_context
 
@@ -71,7 +68,7 @@ class EvalSettings:
     def from_rollout(cls, rollout: RolloutConfig, *, seed: int, fidelity: bool = False,
                      **overrides) -> "EvalSettings":
         """The evaluation of a run whose engine is configured by `rollout` (the trainer's
-        `cfg.rollout`): every engine field carried over (on_max_new_tokens, on_malformed,
+        `cfg.rollout.engine`): every engine field carried over (on_max_new_tokens, on_malformed,
         parallel_tool_calls, max_episode_tokens, max_batch_size, ...); `overrides` replace named
         RolloutConfig fields, e.g. `temperature=cfg.eval.temperature, mode=cfg.eval.mode`."""
         return cls(rollout, seed=seed, fidelity=fidelity, **overrides)

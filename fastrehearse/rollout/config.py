@@ -4,6 +4,7 @@ engine."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from fastrehearse.envs.base import Task, ToolEnv
 from fastrehearse.rollout.vllm_options import BACKENDS, VLLMOptions
@@ -16,13 +17,14 @@ REHEARSALS = ("inline", "separate")
 
 @dataclass
 class RolloutConfig:
-    mode: str = "rehearse"              # rehearse | real | hybrid
+    mode: Literal[MODES] = "rehearse"
     hybrid_p: float = 0.5               # hybrid: probability that a call is executed for real
-    measure_fidelity: bool = False      # rehearsed calls are also executed (for measurement only)
+    measure_fidelity: bool = False      # rehearsed calls are also executed (never shown to the
+                                        # model) to score the world model: exact match / JSON field F1
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 128           # per generated turn (policy turn or rehearsed response)
-    on_max_new_tokens: str = "end_turn"  # a turn cut by max_new_tokens: "end_turn" closes it as
+    on_max_new_tokens: Literal[CUT_OUTCOMES] = "end_turn"  # a turn cut by max_new_tokens: "end_turn" closes it as
                                         # written (the template's end-of-turn forced as CONTEXT; a
                                         # cut agent turn is parsed like any other, as BFCL's runner
                                         # takes a cut output as the reply) or "end_episode"
@@ -32,13 +34,13 @@ class RolloutConfig:
     max_episode_tokens: int = 2048      # prompt included: an episode never exceeds it
     parallel_tool_calls: bool = True    # True: a turn ends at its end-of-turn marker and may hold
                                         # several calls; False: it stops at the first </tool_call>
-    on_malformed: str = "error_response"  # or "end_episode" (the one vocabulary, train and eval)
+    on_malformed: Literal[MALFORMED_OUTCOMES] = "error_response"  # the one vocabulary, train and eval
     malformed_reward: float | None = 0.0  # reward of an episode with a malformed call (None: score)
     max_batch_size: int = 64            # hf: episodes decoded together (vllm takes all at once)
     max_chunk: int = 64                 # hf: most forced tokens fed to one row in one step
-    rehearsal: str = "inline"           # inline | separate (the rollout benchmark's baseline;
-                                        # refused in training)
-    backend: str = "hf"                 # hf (transformers KV-cache decoding, the engine's sampler) |
+    rehearsal: Literal[REHEARSALS] = "inline"  # separate: the rollout benchmark's baseline
+                                        # (refused in training)
+    backend: Literal[BACKENDS] = "hf"   # hf (transformers KV-cache decoding, the engine's sampler) |
                                         # vllm (one vLLM instance per process; docs/rollout.md)
     vllm: VLLMOptions = field(default_factory=VLLMOptions)   # backend=vllm only
 

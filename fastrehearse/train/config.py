@@ -1,215 +1,60 @@
-"""Trainer configuration: plain dataclasses, loaded from YAML with `--set key=value` overrides.
+"""Loading the trainer's configuration: YAML (a file or a packaged preset) + `--set key=value`
+overrides -> a checked TrainConfig (the schema: fastrehearse/train/schema.py, whose names are
+importable from here too).
 
-Components own their configs and the train config nests them: `rollout` is the rollout engine's
-own RolloutConfig (plus the two keys only the trainer uses), `algo.loss` is the kernel's
-PolicyLossConfig, `model.options` the loader's TinyModelOptions; `env.options` are the suite
-constructor's keyword arguments, checked against its signature. So every key is checked at start
-(`load_config` + `preflight`, before any weights load): an unknown key fails naming the key, the
-allowed ones and the closest match; a mistyped value (e.g. a string for a float) fails naming the
-key, the expected and the given type. Nothing is silently ignored, so a typo in a 2-hour GPU run
-fails in the first seconds.
+Every key is checked at start (`load_config` + `preflight`, before any weights load): an unknown key
+fails naming the key, the allowed ones and the closest match; a mistyped value (e.g. a string for a
+float) fails naming the key, the expected and the given type; a choice is checked against its
+Literal annotation as it is read; then `validate` runs every component's own `validate()` and the
+trainer's ranges and rules across sections. Nothing is silently ignored, so a typo in a 2-hour GPU
+run fails in the first seconds. A key moved to another path (RENAMED_KEYS) is read at its new path
+with a one-line notice; a removed key (REMOVED_KEYS) loads only at its old default.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import functools
 import inspect
 import math
 import os
+import sys
 import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
-from fastrehearse.algo.rewards import WorldRewardConfig, check_task_reward
-from fastrehearse.kernels import PolicyLossConfig
+from fastrehearse.algo.rewards import check_task_reward
 from fastrehearse.model.loader import TinyModelOptions
-from fastrehearse.rollout.engine import MODES as ROLLOUT_MODES
-from fastrehearse.rollout.engine import RolloutConfig as EngineRolloutConfig
 from fastrehearse.rollout.vllm_backend import VLLMUnavailable, require_vllm
 
-PRECISIONS = ("auto", "fp32", "bf16")
+from .schema import (  # noqa: F401 - the schema's names, imported from here by the trainer and tests
+    PRECISIONS,
+    AlgoConfig,
+    CheckpointConfig,
+    DistConfig,
+    EnvConfig,
+    EvalConfig,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    SFTConfig,
+    TrainConfig,
+    TrainRolloutConfig,
+)
 
 
 class ConfigError(ValueError):
     """A bad configuration key or value (raised before any work starts)."""
 
 
-@dataclass
-class ModelConfig:
-    # A local HF directory, a .gguf file, "smollm2" (the embedded SmolLM2-135M-Instruct GGUF), or a
-    # tiny random config for tests: "tiny-llama" | "tiny-qwen2" | "tiny-qwen3".
-    spec: str = "smollm2"
-    # auto: bf16 params / fp32 gradient reduction on CUDA, fp32 everywhere on CPU.
-    precision: str = "auto"
-    activation_checkpointing: bool = False
-    # fastrehearse.kernels backend of every LM-head call (RL loss, SFT CE, old / reference
-    # log-probs): auto (triton on CUDA, torch on CPU) | torch | triton | triton-fused (the no-grad
-    # old / reference log-probs through the tl.dot + log-sum-exp tile kernel; not with an LM-head
-    # bias or soft-cap). May change on resume (same math, different kernels).
-    kernel_backend: str = "auto"
-    # Sizes of a tiny-* model (fastrehearse.model.TinyModelOptions); other specs take none.
-    options: TinyModelOptions = field(default_factory=TinyModelOptions)
-
-
-@dataclass
-class EnvConfig:
-    # A registry name (builtin | bfcl | tau2 | mcp) or an import path "package.module:Class" naming
-    # a fastrehearse.envs.Suite subclass (your own tools; docs/envs.md).
-    suite: str = "builtin"
-    # Keyword arguments of the suite's constructor (fastrehearse.envs.get_suite): names and simple
-    # types are checked against its signature at start; values by the suite, also before the model loads.
-    options: dict = field(default_factory=dict)
-    train_split: str = "train"
-    eval_split: str = "test"
-    max_train_tasks: int | None = None
-    # Task reward of training rollouts (fastrehearse.algo.rewards; docs/training.md "Rewards"): real
-    # (env.score) | consistent (graded inside the episode's own, possibly rehearsed, world) | calls.
-    # Evaluation always scores real.
-    reward: typing.Literal["real", "consistent", "calls"] = "real"
-
-
-@dataclass
-class RolloutConfig(EngineRolloutConfig):
-    """The rollout engine's own config (fastrehearse.rollout.RolloutConfig: every field of it is a
-    key here) plus what only the trainer uses. RL rollouts also score the world model by default."""
-    measure_fidelity: bool = True   # also execute rehearsed calls (never shown to the model) to
-                                    # score the world model: exact match / JSON field F1
-    group_size: int = 4             # samples per task (the GRPO group)
-    tasks_per_step: int = 4         # tasks per RL step over all ranks (split evenly)
-
-    def engine(self, **changes) -> EngineRolloutConfig:
-        """The engine's config (this section minus the trainer-only keys), with `changes`."""
-        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineRolloutConfig)}
-        return EngineRolloutConfig(**{**kw, **changes})
-
-
-@dataclass
-class EvalConfig:
-    """Held-out evaluation before and after training (the final table)."""
-    num_tasks: int = 16             # tasks of env.eval_split
-    mode: str = "real"              # how success is measured: tools executed for real
-    temperature: float = 0.0        # greedy
-    fidelity: bool = True           # extra rehearse-mode pass scoring rehearsed vs real responses
-    before: bool = True
-    after: bool = True
-    # Held-out eval every N optimizer steps (SFT steps count) as metrics rows (stage "eval"); the
-    # checkpoint with the best held-out success is kept and named in summary.json. 0: off.
-    every: int = 0
-
-
-@dataclass
-class AlgoConfig:
-    std_normalize: bool = False     # off by default, as in the paper's code (and Dr. GRPO)
-    leave_one_out: bool = False
-    aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
-    norm_len: float | None = None   # Dr. GRPO constant (default: rollout.max_episode_tokens)
-    updates_per_batch: int = 1      # optimizer steps per rollout batch (1 = strictly on-policy)
-    # The kernel's own config. loss.temperature follows rollout.temperature unless set (then it
-    # must equal it: the importance ratio compares log-probs of the same tempered distribution).
-    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
-    # The REHEARSE role's reward (fastrehearse.algo.rewards): mode task | world (format + grounded).
-    world_reward: WorldRewardConfig = field(default_factory=WorldRewardConfig)
-    hybrid_baseline: typing.Literal["strata", "pooled"] = "strata"   # hybrid ACT baseline per stratum
-    # Truncated importance sampling for the rollout/trainer mismatch (fastrehearse.algo.tis): each
-    # sampled token's policy-gradient term (not KL / entropy) is weighted by
-    # min(pi_trainer_old / pi_rollout, tis_cap). Applied with rollout.backend=vllm; null: off.
-    tis_cap: float | None = 2.0
-    # Sequence-level IS beside the token cap (fastrehearse.algo.tis.sequence_weights): per episode,
-    # r = exp(sum over its sampled tokens of (old - rollout)); "truncate": its policy-gradient terms
-    # weighted by min(r, tis_sequence_cap); "mask": an episode with r outside
-    # [1 / tis_sequence_cap, tis_sequence_cap] trains no policy-gradient term. null: off.
-    tis_sequence: typing.Optional[typing.Literal["truncate", "mask"]] = None
-    tis_sequence_cap: float = 2.0
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1       # cosine decays to lr * min_lr_ratio at the last step
-    grad_clip: float = 1.0          # max global grad norm (0 = off)
-    # Keep a copy of the parameters and Adam moments across each optimizer step, so an update that
-    # leaves a non-finite weight is rolled back and counted as a skipped step (costs one extra copy
-    # of params + moments per rank; off: such an update stops training with an error instead).
-    rollback_nonfinite: bool = True
-
-
-@dataclass
-class SFTConfig:
-    """Optional SFT steps before RL: CE on ACT (and OBSERVED / REHEARSE) tokens.
-    source gold: the tasks' gold trajectories (the warm-up; tool responses real, OBSERVED).
-    source own_rehearsals (the learning experiment's Sr control, docs/training.md): each step
-    samples the model's own episodes exactly as an RL step would (rollout.tasks_per_step x
-    group_size from the RL task stream, rollout.mode rehearse, the RL step seed), keeps those whose
-    env.reward (consistent) is 1, and trains CE on their ACT and REHEARSE tokens."""
-    steps: int = 0
-    source: typing.Literal["gold", "own_rehearsals"] = "gold"
-    tasks_per_step: int = 8         # gold source only (own_rehearsals uses rollout.tasks_per_step)
-    lr: float = 1e-4
-    warmup_steps: int = 0
-    w_act: float = 1.0
-    w_observed: float = 1.0         # the world model learns tool responses from real ones
-    w_rehearse: float = 1.0         # own_rehearsals: the world model learns its own kept rehearsals
-
-
-@dataclass
-class CheckpointConfig:
-    every: int = 0                  # save every K RL steps (0 = only on SIGTERM and at the end)
-    keep: int = 2                   # complete checkpoints kept (older ones are deleted)
-    at_end: bool = True
-    export: bool = True             # HF safetensors + config + tokenizer in run_dir/export
-
-
-@dataclass
-class LogConfig:
-    progress: bool = True           # tqdm progress bar (rank 0)
-    plot_every: int = 1             # refresh the PNG every K steps (0 = only at the end)
-    tensorboard: bool = False       # run_dir/tb via torch.utils.tensorboard (needs `tensorboard`)
-    wandb: bool = False             # used only when installed
-    wandb_project: str = "fastrehearse"
-
-
-@dataclass
-class DistConfig:
-    # Every collective's limit: a rank waiting longer for a peer (alive but stuck, or gone without
-    # closing its connection) raises and the job stops. Above the longest normal wait between two
-    # collectives -- one rank's rollout while the others wait to gather episodes, vLLM start-up,
-    # rank 0's export; raise it for long HF rollouts at large models.
-    timeout_s: float = 1800.0
-
-
-@dataclass
-class TrainConfig:
-    run_dir: str = "runs/default"
-    seed: int = 0
-    steps: int = 10                 # RL steps (rollout batches)
-    max_tokens: int = 4096          # token budget of one packed micro-batch
-    device: str = "auto"            # auto | cpu | cuda
-    max_consecutive_skips: int = 3  # non-finite steps in a row before giving up
-    model: ModelConfig = field(default_factory=ModelConfig)
-    env: EnvConfig = field(default_factory=EnvConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    sft: SFTConfig = field(default_factory=SFTConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    dist: DistConfig = field(default_factory=DistConfig)
-
-
 # ----------------------------------------------------------------------------------------------
-# Loading and checking
+# Types
 
 _SCALARS = (int, float, str, bool, type(None))
-_FP32_MAX = 3.4028234663852886e38
 
 
 def _type_name(tp) -> str:
@@ -288,15 +133,100 @@ def _build(cls, kwargs: dict, prefix: str):
         raise ConfigError(f"config section '{prefix.rstrip('.') or '<root>'}': {e}") from None
 
 
+# ----------------------------------------------------------------------------------------------
+# The key space: dotted keys as users write them (an inline component's keys in its section)
+
+
+@functools.lru_cache(maxsize=None)
+def _fields(cls) -> dict[str, tuple[tuple[str, ...], Any]]:
+    """key -> (attribute path inside a `cls` instance, annotation) of every key written in a section
+    of type `cls`: its own fields, and an inline component's fields in that component's place."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("inline"):
+            out.update({k: ((f.name, *path), tp) for k, (path, tp) in _fields(hints[f.name]).items()})
+        else:
+            out[f.name] = ((f.name,), hints[f.name])
+    return out
+
+
+def _at(obj, path: tuple[str, ...]):
+    for name in path:
+        obj = getattr(obj, name)
+    return obj
+
+
+def get_key(cfg, dotted: str):
+    """The value of a dotted key as users write it (`rollout.max_turns`)."""
+    for part in dotted.split("."):
+        cfg = _at(cfg, _fields(type(cfg))[part][0])
+    return cfg
+
+
+def _set(cfg, dotted: str, value) -> None:
+    *head, name = dotted.split(".")
+    obj = get_key(cfg, ".".join(head)) if head else cfg
+    path = _fields(type(obj))[name][0]
+    setattr(_at(obj, path[:-1]), path[-1], value)
+
+
+def leaves(obj, prefix: str = ""):
+    """(dotted key, value) of every key of a config dataclass, as users write it."""
+    for k, (path, _) in _fields(type(obj)).items():
+        key = f"{prefix}{k}"
+        if key in REMOVED_KEYS:
+            continue
+        v = _at(obj, path)
+        if dataclasses.is_dataclass(v):
+            yield from leaves(v, f"{key}.")
+        else:
+            yield key, v
+
+
+def sections(obj, prefix: str = ""):
+    """(dotted key, component) of every nested config dataclass, inline ones under their section."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            key = prefix.rstrip(".") if f.metadata.get("inline") else f"{prefix}{f.name}"
+            yield key, v
+            yield from sections(v, f"{key}." if key else "")
+
+
+def to_dict(cfg, prefix: str = "") -> dict:
+    """The config as the nested dict users write (and config.yaml holds)."""
+    out = {}
+    for k, (path, _) in _fields(type(cfg)).items():
+        if f"{prefix}{k}" in REMOVED_KEYS:
+            continue
+        v = _at(cfg, path)
+        out[k] = to_dict(v, f"{prefix}{k}.") if dataclasses.is_dataclass(v) else copy.deepcopy(v)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Keys at another path, and keys removed
+
+# Keys users wrote at another path: read at the new one (a value map translates the value too),
+# with a one-line notice. A saved run's config.yaml in the old layout is mapped the same way before
+# --resume compares it key by key (run_dir.resume_changes), so the same run compares equal.
+RENAMED_KEYS: dict[str, tuple[str, dict | None]] = {
+    "algo.std_normalize": ("algo.advantage.std_normalize", None),
+    "algo.leave_one_out": ("algo.advantage.leave_one_out", None),
+    "algo.world_reward.gate": ("algo.advantage.gate_rehearse_on_act", {"none": False, "act_signal": True}),
+}
+
+_TURN_REWARDS = ("it scaled Episode.metadata['turn_rewards'], which no environment the trainer runs "
+                 "produces (and episodes lose their metadata before advantages), so it never changed a "
+                 "run; turn-level rewards remain in fastrehearse.algo.compute_advantages "
+                 "(AdvantageConfig.turn_reward_coef) for episodes you build yourself")
 # Keys that existed and did nothing: a config that sets one to its old default (e.g. a run_dir's
 # config.yaml reused) loads unchanged -- the key never affected a run; any other value is refused,
-# saying why, rather than silently ignored.
+# saying why, rather than silently ignored. A component field listed here is no trainer key.
 REMOVED_KEYS = {
-    "algo.turn_reward_coef": (1.0, "it scaled Episode.metadata['turn_rewards'], which no environment "
-                                   "the trainer runs produces (and episodes lose their metadata before "
-                                   "advantages), so it never changed a run; turn-level rewards remain "
-                                   "in fastrehearse.algo.compute_advantages (AdvantageConfig."
-                                   "turn_reward_coef) for episodes you build yourself"),
+    "algo.turn_reward_coef": (1.0, _TURN_REWARDS),
+    "algo.advantage.turn_reward_coef": (1.0, _TURN_REWARDS),
 }
 
 
@@ -311,36 +241,94 @@ def _removed(key: str, value) -> bool:
                       f"(got {value!r})")
 
 
-def from_dict(cls, data: dict, prefix: str = "", seen: set | None = None):
-    """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types. The dotted
-    keys given are added to `seen` (to tell a default from an explicit value)."""
+def _notice(line: str) -> None:
+    if os.environ.get("RANK", "0") == "0":   # one line per job, not per rank
+        print(f"fastrehearse: {line}", file=sys.stderr)
+
+
+def move_renamed(data: dict, notify: Callable[[str], None] | None = None) -> dict:
+    """`data` (a config as nested dicts) with every key of RENAMED_KEYS moved to its new path;
+    `notify` gets one line per key moved. Setting a key at both paths is refused."""
+    data = copy.deepcopy(data)
+    for old, (new, values) in RENAMED_KEYS.items():
+        *path, name = old.split(".")
+        section = data
+        for part in path:
+            section = section.get(part) if isinstance(section, dict) else None
+        if not isinstance(section, dict) or name not in section:
+            continue
+        value = section.pop(name)
+        shown = f"'{old}'"
+        if values is not None:
+            if not isinstance(value, str) or value not in values:
+                raise ConfigError(f"config key '{old}' = {value!r} is not one of {list(values)}")
+            shown, value = f"'{old}: {value}'", values[value]
+        *path, name = new.split(".")
+        target = data
+        for i, part in enumerate(path):
+            if target.get(part) is None:     # an empty section, as from_dict reads it
+                target[part] = {}
+            target = target[part]
+            if not isinstance(target, dict):
+                raise ConfigError(f"config key '{'.'.join(path[:i + 1])}' must be a mapping (a section), "
+                                  f"got {target!r}")
+        if name in target:
+            raise ConfigError(f"config key '{old}' moved to '{new}', and both are set: keep only '{new}'")
+        target[name] = value
+        if notify is not None:
+            new_shown = f"'{new}: {yaml.safe_dump(value).splitlines()[0]}'" if values else f"'{new}'"
+            notify(f"config key {shown} is now {new_shown} (read as that; write the new path)")
+    return data
+
+
+# ----------------------------------------------------------------------------------------------
+# Building a config from dicts and `--set` assignments
+
+
+def from_dict(cls, data: dict, prefix: str = "", seen: set | None = None, base=None):
+    """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types; keys not
+    given keep their value in `base` (default: `cls()`, so a section's own defaults hold). The
+    dotted keys given are added to `seen` (to tell a default from an explicit value)."""
     if not isinstance(data, dict):
         raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}' must be a mapping (a "
                           f"section), got {data!r} ({type(data).__name__})")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
+    base = cls() if base is None else base
+    keys = _fields(cls)
+    given = {}
     for k, v in data.items():
         key = f"{prefix}{k}"
-        if k not in names:
-            if _removed(key, v):
-                continue
-            raise _unknown(key, names)
+        if _removed(key, v):
+            continue
+        if k not in keys:
+            raise _unknown(key, list(keys))
         if seen is not None:
             seen.add(key)
-        tp = hints[k]
+        path, tp = keys[k]
         if dataclasses.is_dataclass(tp):
-            kwargs[k] = from_dict(tp, v if v is not None else {}, prefix=f"{key}.", seen=seen)
+            given[path] = from_dict(tp, v if v is not None else {}, f"{key}.", seen, _at(base, path))
         else:
-            kwargs[k] = _coerce(v, tp, key)
+            given[path] = _coerce(v, tp, key)
+    return _assemble(cls, base, given, prefix)
+
+
+def _assemble(cls, base, given: dict, prefix: str):
+    """cls(...) from `given` (attribute path -> value) and `base` for the rest."""
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        mine = {path[1:]: v for path, v in given.items() if path[0] == f.name}
+        if f.metadata.get("inline") and mine:
+            kwargs[f.name] = _assemble(type(getattr(base, f.name)), getattr(base, f.name), mine, prefix)
+        else:
+            kwargs[f.name] = mine.get((), getattr(base, f.name))
     return _build(cls, kwargs, prefix)
 
 
-def apply_override(cfg, assignment: str, seen: set | None = None):
+def apply_override(cfg, assignment: str, seen: set | None = None,
+                   notify: Callable[[str], None] | None = _notice):
     """Apply one `a.b.c=value` (value parsed as YAML: 1e-5, true, null, [0.9, 0.95], text).
 
     A mapping given for a section or for a free-form dict (`env.options={level: mixed}`) is merged
-    into what is there; `env.options.level=mixed` sets one entry.
+    into what is there; `env.options.level=mixed` sets one entry. A renamed key is set at its new path.
     """
     if "=" not in assignment:
         raise ConfigError(f"--set expects key=value, got {assignment!r}")
@@ -352,35 +340,58 @@ def apply_override(cfg, assignment: str, seen: set | None = None):
         raise ConfigError(f"--set {dotted}: cannot parse value {raw!r}: {e}") from None
     if _removed(dotted, value):
         return cfg
+    nested = value
+    for part in reversed(dotted.split(".")):
+        nested = {part: nested}
+    notes = []
+    moved = move_renamed(nested, notes.append)
+    if not notes:
+        _assign(cfg, dotted, value, seen)
+        return cfg
+    for line in notes:
+        if notify is not None:
+            notify(line)
+    for key, v in _dict_leaves(moved):
+        _assign(cfg, key, v, seen)
+    return cfg
+
+
+def _dict_leaves(d: dict, prefix: str = ""):
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            yield from _dict_leaves(v, f"{prefix}{k}.")
+        elif not isinstance(v, dict):
+            yield f"{prefix}{k}", v
+
+
+def _assign(cfg, dotted: str, value, seen: set | None):
     parts = dotted.split(".")
     obj = cfg
     for i, part in enumerate(parts):
-        names = [f.name for f in dataclasses.fields(obj)]
+        keys = _fields(type(obj))
         key = ".".join(parts[: i + 1])
-        if part not in names:
-            raise _unknown(key, names)
-        tp = typing.get_type_hints(type(obj))[part]
+        if part not in keys:
+            raise _unknown(key, list(keys))
+        path, tp = keys[part]
+        holder, name = _at(obj, path[:-1]), path[-1]
         last = i == len(parts) - 1
         if seen is not None:
             seen.add(key)
         if not last and (tp is dict or typing.get_origin(tp) is dict):
             # a.options.k=v: one entry of a free-form mapping
-            getattr(obj, part)[".".join(parts[i + 1:])] = value
+            getattr(holder, name)[".".join(parts[i + 1:])] = value
             if seen is not None:
                 seen.add(dotted)
-            return cfg
+            return
         if last:
             if dataclasses.is_dataclass(tp):
-                if isinstance(value, dict) and seen is not None:
-                    seen.update(f"{key}.{k}" for k in value)
-                merged = {**_shallow(getattr(obj, part)), **(value or {})} \
-                    if isinstance(value, dict) else value
-                setattr(obj, part, from_dict(tp, merged, prefix=f"{key}."))
+                # a mapping is merged into the section; anything else is refused by from_dict
+                setattr(holder, name, from_dict(tp, value, f"{key}.", seen, getattr(holder, name)))
             elif isinstance(value, dict) and (tp is dict or typing.get_origin(tp) is dict):
-                setattr(obj, part, {**getattr(obj, part), **value})
+                setattr(holder, name, {**getattr(holder, name), **value})
             else:
                 try:
-                    setattr(obj, part, _coerce(value, tp, key))
+                    setattr(holder, name, _coerce(value, tp, key))
                 except (ValueError, TypeError) as e:   # a component checking on assignment
                     if isinstance(e, ConfigError):
                         raise
@@ -389,116 +400,88 @@ def apply_override(cfg, assignment: str, seen: set | None = None):
             if not dataclasses.is_dataclass(tp):
                 raise ConfigError(f"config key '{key}' is a {_type_name(tp)}, not a section; "
                                   f"cannot set '{dotted}'")
-            obj = getattr(obj, part)
-    return cfg
+            obj = getattr(holder, name)
 
 
-def _shallow(obj) -> dict:
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+# ----------------------------------------------------------------------------------------------
+# Value checks
 
-
-def _walk(obj, prefix=""):
-    """(dotted key, value) of every leaf of a config dataclass."""
-    for f in dataclasses.fields(obj):
-        v = getattr(obj, f.name)
-        if dataclasses.is_dataclass(v):
-            yield from _walk(v, f"{prefix}{f.name}.")
-        else:
-            yield f"{prefix}{f.name}", v
+_FP32_MAX = 3.4028234663852886e38
+# The trainer's own ranges (a component's are its validate(); None: a key's "off").
+_POSITIVE = ("max_tokens", "max_consecutive_skips", "rollout.group_size", "rollout.tasks_per_step",
+             "rollout.temperature", "algo.advantage.eps", "algo.updates_per_batch", "algo.tis_cap",
+             "algo.tis_sequence_cap", "optim.lr", "sft.tasks_per_step", "checkpoint.keep", "dist.timeout_s")
+_NON_NEGATIVE = ("steps", "env.max_train_tasks", "eval.num_tasks", "eval.temperature", "eval.every",
+                 "optim.weight_decay", "optim.eps", "optim.warmup_steps", "optim.min_lr_ratio",
+                 "optim.grad_clip", "sft.steps", "sft.lr", "checkpoint.every", "log.plot_every")
 
 
 def validate(cfg: TrainConfig, explicit: set | frozenset = frozenset()) -> TrainConfig:
-    """Value checks beyond types (choices, ranges). `explicit`: the dotted keys the user set (a
-    default algo.loss.temperature follows rollout.temperature; a set one must equal it)."""
-    from fastrehearse.algo.aggregation import AGGREGATIONS
-
-    def choice(key, value, allowed):
-        if value not in allowed:
-            raise ConfigError(f"config key '{key}' = {value!r} is not one of {list(allowed)}")
-
-    def positive(key, value, zero_ok=False):
-        if value < 0 or (value == 0 and not zero_ok):
-            raise ConfigError(f"config key '{key}' must be {'>= 0' if zero_ok else '> 0'}, got {value}")
-
-    for key, v in _walk(cfg):
+    """Value checks beyond types and choices: every component's own `validate()`, then the trainer's
+    ranges and rules across sections. `explicit`: the dotted keys the user set (a default
+    algo.loss.temperature follows rollout.temperature; a set one must equal it)."""
+    for key, v in leaves(cfg):
         if isinstance(v, float) and not (math.isfinite(v) and abs(v) <= _FP32_MAX):
             # beyond float32's range a value is inf for the fp32 weights and optimizer it meets
             raise ConfigError(f"config key '{key}' must be a finite number (within float32 range), got {v}")
-    choice("rollout.mode", cfg.rollout.mode, ROLLOUT_MODES)
-    choice("eval.mode", cfg.eval.mode, ROLLOUT_MODES)
-    choice("algo.aggregation", cfg.algo.aggregation, AGGREGATIONS)
-    choice("model.precision", cfg.model.precision, PRECISIONS)
-    from fastrehearse.kernels import BACKENDS as KERNEL_BACKENDS, check_backend
-    choice("model.kernel_backend", cfg.model.kernel_backend, KERNEL_BACKENDS)
+    owned = ()     # a component that validates itself checks its own subsections too
+    for key, section in sections(cfg):
+        if callable(getattr(section, "validate", None)) and not key.startswith(owned):
+            owned += (f"{key}.",)
+            try:
+                section.validate()
+            except ValueError as e:
+                raise ConfigError(f"config section '{key}': {e}") from None
+    for key in _POSITIVE + _NON_NEGATIVE:
+        v = get_key(cfg, key)
+        if v is not None and (v < 0 or (v == 0 and key in _POSITIVE)):
+            raise ConfigError(f"config key '{key}' must be {'> 0' if key in _POSITIVE else '>= 0'}, got {v}")
     if cfg.model.kernel_backend in ("triton", "triton-fused"):
         import torch
 
+        from fastrehearse.kernels import check_backend
         on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
         try:   # the kernels' own check (CUDA or TRITON_INTERPRET=1; triton importable), before any work
             check_backend(cfg.model.kernel_backend, torch.device("cpu" if on_cpu else "cuda"))
         except ValueError as e:
             raise ConfigError(f"config key 'model.kernel_backend' = {cfg.model.kernel_backend!r}: {e}"
                               + (" (this run is on the CPU)" if on_cpu else "")) from None
-    choice("device", cfg.device, ("auto", "cpu", "cuda"))
-    positive("dist.timeout_s", cfg.dist.timeout_s)
-    for key in ("rollout.group_size", "rollout.tasks_per_step", "rollout.max_new_tokens",
-                "rollout.max_turns", "rollout.max_episode_tokens", "max_tokens",
-                "algo.updates_per_batch", "max_consecutive_skips", "sft.tasks_per_step", "optim.lr"):
-        positive(key, _get(cfg, key))
-    for key in ("steps", "sft.steps", "sft.lr", "optim.grad_clip", "optim.warmup_steps",
-                "checkpoint.every", "algo.loss.kl_coef", "algo.loss.clip_low", "algo.loss.clip_high",
-                "log.plot_every", "eval.num_tasks", "eval.temperature", "eval.every", "optim.weight_decay",
-                "optim.eps", "optim.min_lr_ratio", "env.max_train_tasks"):
-        if _get(cfg, key) is not None:
-            positive(key, _get(cfg, key), zero_ok=True)
-    choice("sft.source", cfg.sft.source, ("gold", "own_rehearsals"))
-    if cfg.sft.source == "own_rehearsals":   # the kept episodes must be rehearsed ones passing consistent
-        if cfg.rollout.mode != "rehearse":
-            raise ConfigError(f"config key 'rollout.mode' must be 'rehearse' with sft.source=own_rehearsals "
-                              f"(got {cfg.rollout.mode!r}): the source is the model's own rehearsed episodes")
-        if cfg.env.reward != "consistent":
-            raise ConfigError(f"config key 'env.reward' must be 'consistent' with sft.source=own_rehearsals "
-                              f"(got {cfg.env.reward!r}): episodes are kept when they pass it")
-    if cfg.sft.steps > 0 and cfg.sft.lr == 0:
-        raise ConfigError(f"config key 'sft.lr' must be > 0 when sft.steps > 0 (got 0 with "
-                          f"sft.steps={cfg.sft.steps}): the warm-up would train nothing")
-    positive("checkpoint.keep", cfg.checkpoint.keep)
-    if cfg.eval.every and not cfg.eval.num_tasks:
-        raise ConfigError(f"config key 'eval.every' = {cfg.eval.every} needs held-out tasks: "
-                          f"eval.num_tasks is 0")
     if cfg.model.options != TinyModelOptions() and not cfg.model.spec.startswith("tiny-"):
         raise ConfigError(f"config key 'model.options' is only used with tiny-* models, got "
                           f"{dataclasses.asdict(cfg.model.options)} for model.spec={cfg.model.spec!r}")
-    positive("rollout.temperature", cfg.rollout.temperature)
-    try:
-        cfg.rollout.engine().validate()
-    except ValueError as e:
-        raise ConfigError(f"config section 'rollout': {e}") from None
-    if cfg.rollout.rehearsal != "inline":
-        raise ConfigError(f"config key 'rollout.rehearsal' = {cfg.rollout.rehearsal!r}: training rehearses "
+    rollout = cfg.rollout.engine
+    if rollout.rehearsal != "inline":
+        raise ConfigError(f"config key 'rollout.rehearsal' = {rollout.rehearsal!r}: training rehearses "
                           f"inline; 'separate' (a fresh simulator prompt per call) is the rollout "
                           f"benchmark's baseline (benchmarks/bench_rollout.py), not a training setting")
-    want = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-    if "algo.loss.temperature" in explicit:
-        t = cfg.algo.loss.temperature
-        if cfg.rollout.temperature > 0 and t != cfg.rollout.temperature:
-            raise ConfigError(f"config key 'algo.loss.temperature' ({t}) must equal "
-                              f"'rollout.temperature' ({cfg.rollout.temperature}): the importance ratio "
-                              f"compares log-probs of the same tempered distribution")
-    else:
-        cfg.algo.loss.temperature = want
-    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
-        raise ConfigError(f"config key 'optim.betas' must be 2 numbers in [0, 1), got {cfg.optim.betas}")
-    if cfg.algo.tis_cap is not None:
-        positive("algo.tis_cap", cfg.algo.tis_cap)
-    positive("algo.tis_sequence_cap", cfg.algo.tis_sequence_cap)
+    if cfg.max_tokens < rollout.max_episode_tokens:
+        raise ConfigError(f"config key 'max_tokens' ({cfg.max_tokens}) must be >= "
+                          f"'rollout.max_episode_tokens' ({rollout.max_episode_tokens}): a "
+                          f"micro-batch must hold the longest episode")
+    if "algo.loss.temperature" not in explicit:
+        cfg.algo.loss.temperature = rollout.temperature
+    elif cfg.algo.loss.temperature != rollout.temperature:
+        raise ConfigError(f"config key 'algo.loss.temperature' ({cfg.algo.loss.temperature}) must equal "
+                          f"'rollout.temperature' ({rollout.temperature}): the importance ratio "
+                          f"compares log-probs of the same tempered distribution")
     if cfg.algo.tis_sequence == "mask" and cfg.algo.tis_sequence_cap <= 1:
         raise ConfigError(f"config key 'algo.tis_sequence_cap' must be > 1 with tis_sequence=mask (episodes "
                           f"with a ratio outside [1/cap, cap] are masked), got {cfg.algo.tis_sequence_cap}")
-    if cfg.max_tokens < cfg.rollout.max_episode_tokens:
-        raise ConfigError(f"config key 'max_tokens' ({cfg.max_tokens}) must be >= "
-                          f"'rollout.max_episode_tokens' ({cfg.rollout.max_episode_tokens}): a "
-                          f"micro-batch must hold the longest episode")
+    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
+        raise ConfigError(f"config key 'optim.betas' must be 2 numbers in [0, 1), got {cfg.optim.betas}")
+    if cfg.sft.steps > 0 and cfg.sft.lr == 0:
+        raise ConfigError(f"config key 'sft.lr' must be > 0 when sft.steps > 0 (got 0 with "
+                          f"sft.steps={cfg.sft.steps}): the warm-up would train nothing")
+    if cfg.sft.source == "own_rehearsals":   # the kept episodes must be rehearsed ones passing consistent
+        if rollout.mode != "rehearse":
+            raise ConfigError(f"config key 'rollout.mode' must be 'rehearse' with sft.source=own_rehearsals "
+                              f"(got {rollout.mode!r}): the source is the model's own rehearsed episodes")
+        if cfg.env.reward != "consistent":
+            raise ConfigError(f"config key 'env.reward' must be 'consistent' with sft.source=own_rehearsals "
+                              f"(got {cfg.env.reward!r}): episodes are kept when they pass it")
+    if cfg.eval.every and not cfg.eval.num_tasks:
+        raise ConfigError(f"config key 'eval.every' = {cfg.eval.every} needs held-out tasks: "
+                          f"eval.num_tasks is 0")
     return cfg
 
 
@@ -511,7 +494,8 @@ def warnings_for(cfg: TrainConfig) -> list[str]:
     return out
 
 
-EMBEDDED_MODELS = ("smollm2", "embedded")
+# ----------------------------------------------------------------------------------------------
+# Checks that look outside the config (before any weights load)
 
 
 def check_model_path(cfg: TrainConfig) -> None:
@@ -572,8 +556,8 @@ def check_device(cfg: TrainConfig) -> None:
 
 
 def check_rollout_backend(cfg: TrainConfig) -> None:
-    """rollout.backend=vllm without vLLM installed (ROLLOUT, issue 28): refused before the model loads."""
-    if cfg.rollout.backend == "vllm":
+    """rollout.backend=vllm without vLLM installed: refused before the model loads."""
+    if cfg.rollout.engine.backend == "vllm":
         try:
             require_vllm()
         except VLLMUnavailable as e:
@@ -588,10 +572,8 @@ def preflight(cfg: TrainConfig) -> None:
     check_rollout_backend(cfg)
 
 
-def _get(cfg, dotted: str):
-    for part in dotted.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
+# ----------------------------------------------------------------------------------------------
+# Files: presets, loading, config.yaml
 
 
 def _preset_dirs() -> list[Path]:
@@ -627,8 +609,10 @@ def resolve_config_path(path: str | Path) -> Path:
     return p
 
 
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """YAML file or packaged preset name (or defaults when path is None) + `key=value` overrides, checked."""
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
+                notify: Callable[[str], None] | None = _notice) -> TrainConfig:
+    """YAML file or packaged preset name (or defaults when path is None) + `key=value` overrides,
+    checked. `notify` gets the one-line notices (a renamed key read at its new path)."""
     data: dict = {}
     if path is not None:
         p = resolve_config_path(path)
@@ -646,9 +630,9 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
     seen: set = set()
-    cfg = from_dict(TrainConfig, data, seen=seen)
+    cfg = from_dict(TrainConfig, move_renamed(data, notify) if isinstance(data, dict) else data, seen=seen)
     for o in overrides:
-        apply_override(cfg, o, seen=seen)
+        apply_override(cfg, o, seen=seen, notify=notify)
     _env_defaults(cfg, None if path is None else Path(path).resolve().parent, seen)
     return validate(cfg, explicit=seen)
 
@@ -671,49 +655,7 @@ def _env_defaults(cfg: TrainConfig, config_dir: Path | None, explicit: set) -> N
     if cls.costly_calls(cfg.env.options):
         for key in ("rollout.measure_fidelity", "eval.fidelity"):
             if key not in explicit:
-                section, name = key.split(".")
-                setattr(getattr(cfg, section), name, False)
-
-
-# ----------------------------------------------------------------------------------------------
-# Resume: which keys may change
-
-
-# Keys (or sections, ending in ".") a resumed run may change: they take effect from the resumed
-# step and are announced. Everything else (model, shapes, seed, data, rollout, loss, SFT layout)
-# must match the checkpoint's config, or the resumed run would not be the run it claims to be.
-RESUME_MAY_CHANGE = ("steps", "run_dir", "device", "max_tokens", "max_consecutive_skips",
-                     "model.activation_checkpointing", "model.kernel_backend", "optim.", "sft.lr", "sft.warmup_steps",
-                     "checkpoint.", "log.", "eval.", "dist.")
-
-
-def flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and not (prefix + k).endswith("env.options"):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def resume_changes(old: dict, new: dict) -> tuple[list, list]:
-    """(allowed, forbidden) lists of (key, old value, new value) between two config dicts. A key
-    the old config lacks (added to the code since) counts as unchanged."""
-    a, b = flatten(old), flatten(new)
-    allowed, forbidden = [], []
-    for k in sorted(b):
-        if k not in a or a[k] == b[k]:
-            continue
-        if k == "algo.loss.temperature" and a[k] is None:   # configs written before it was resolved
-            continue
-        ok = any(k == p or (p.endswith(".") and k.startswith(p)) for p in RESUME_MAY_CHANGE)
-        (allowed if ok else forbidden).append((k, a[k], b[k]))
-    return allowed, forbidden
-
-
-def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
+                _set(cfg, key, False)
 
 
 def dump_config(cfg: TrainConfig, path: str | Path) -> None:

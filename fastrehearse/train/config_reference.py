@@ -10,12 +10,13 @@ import inspect
 import textwrap
 import typing
 
-from .config import TrainConfig, _type_name
+from .config import REMOVED_KEYS, TrainConfig, _at, _fields, _type_name
 
 
 def _comments(cls) -> dict[str, str]:
-    """field name -> its comment: the `#` lines right above it and the one beside it (continued
-    on the following comment-only lines), from the class's source (a dataclass keeps none)."""
+    """field name -> its comment: the `#` lines right above it (at its indentation) and the one
+    beside it (continued on the following, deeper indented, comment-only lines), from the class's
+    source (a dataclass keeps none)."""
     out: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
@@ -27,9 +28,10 @@ def _comments(cls) -> dict[str, str]:
             if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
                 continue
             i = node.lineno - 1
+            indent = len(lines[i]) - len(lines[i].lstrip())
             above = []
             j = i - 1
-            while j >= 0 and lines[j].strip().startswith("#"):
+            while j >= 0 and lines[j].strip().startswith("#") and len(lines[j]) - len(lines[j].lstrip()) == indent:
                 above.insert(0, lines[j].strip().lstrip("#").strip())
                 j -= 1
             beside = []
@@ -37,7 +39,7 @@ def _comments(cls) -> dict[str, str]:
                 beside.append(lines[node.end_lineno - 1].split("#", 1)[1].strip())
                 k = node.end_lineno
                 while k < len(lines) and lines[k].strip().startswith("#") and \
-                        len(lines[k]) - len(lines[k].lstrip()) > len(lines[i]) - len(lines[i].lstrip()):
+                        len(lines[k]) - len(lines[k].lstrip()) > indent:
                     beside.append(lines[k].strip().lstrip("#").strip())
                     k += 1
             out[node.target.id] = " ".join(above + beside).strip()
@@ -53,18 +55,20 @@ def _type(tp) -> str:
     return _type_name(tp)
 
 
-def _rows(cls, prefix: str, sections: list):
-    hints = typing.get_type_hints(cls)
-    notes = _comments(cls)
+def _rows(section, prefix: str, found: list):
+    """The table rows of `section` (a default instance): its keys as users write them (an inline
+    component's in their place), with the comment written beside each field in its own class."""
     rows = []
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        key = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(tp):
-            sections.append((key, tp, notes.get(f.name, "")))
+    for name, (path, tp) in _fields(type(section)).items():
+        key = f"{prefix}{name}"
+        if key in REMOVED_KEYS:
             continue
-        rows.append((key, _type(tp), default, notes.get(f.name, "")))
+        holder, value = _at(section, path[:-1]), _at(section, path)
+        note = _comments(type(holder)).get(path[-1], "")
+        if dataclasses.is_dataclass(value):
+            found.append((key, value, note))
+        else:
+            rows.append((key, _type(tp), value, note))
     return rows
 
 
@@ -79,17 +83,17 @@ def reference() -> str:
            "nested sections or on the command line as `--set section.key=value`; `fastrehearse train "
            "--config C --print-config` prints a run's resolved values. What may change on resume: "
            "docs/training.md.", ""]
-    sections = [("", TrainConfig, "")]
+    sections = [("", TrainConfig(), "")]
     while sections:
-        prefix, cls, note = sections.pop(0)
+        prefix, section, note = sections.pop(0)
         found = []
-        rows = _rows(cls, f"{prefix}." if prefix else "", found)
+        rows = _rows(section, f"{prefix}." if prefix else "", found)
         title = f"`{prefix}`" if prefix else "top level"
         out += [f"## {title}", ""]
-        doc = (cls.__doc__ or "").strip()
+        doc = (type(section).__doc__ or "").strip()
         if note:
             out += [note, ""]
-        elif doc and not doc.startswith(cls.__name__ + "("):
+        elif doc and not doc.startswith(type(section).__name__ + "("):
             out += [" ".join(doc.split()), ""]
         if rows:
             out += ["| key | type | default | meaning |", "|---|---|---|---|"]

@@ -314,15 +314,15 @@ def plan(cfg: TrainConfig, world: int, gpu_memory_gib: float = DEFAULT_BUDGET_GI
     if cfg.algo.loss.kl_coef > 0:
         add("resident", f"reference shards ({compute})", shard * cb,
             f"shard elements x {cb} (algo.loss.kl_coef > 0; resharded after each forward)", "formula")
-    backend = getattr(cfg.rollout, "backend", "hf")
+    backend = cfg.rollout.engine.backend
     kv_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim(hf_config) * 2
-    rows = min(cfg.rollout.max_batch_size, math.ceil(cfg.rollout.tasks_per_step / world) * cfg.rollout.group_size)
+    rows = min(cfg.rollout.engine.max_batch_size, math.ceil(cfg.rollout.tasks_per_step / world) * cfg.rollout.group_size)
     gen_bytes = 2 if cfg.model.precision != "fp32" else 4
     if backend == "vllm":
         # One engine per rank in the rank's process; slept (level 2: weights and KV freed) through
         # the update and filled again by the weight sync, streamed from the shards one parameter at a
         # time (rollout/vllm_backend.py). No generation copy on the trainer's side.
-        frac = cfg.rollout.vllm.gpu_memory_utilization
+        frac = cfg.rollout.engine.vllm.gpu_memory_utilization
         add("rollout", "vLLM (weights + KV cache)", frac * gpu_memory_gib * GIB,
             f"rollout.vllm.gpu_memory_utilization={frac} of {gpu_memory_gib:g} GiB; freed through the update "
             f"by sleep mode (designed, not run on CUDA)", "assumed")
@@ -332,9 +332,9 @@ def plan(cfg: TrainConfig, world: int, gpu_memory_gib: float = DEFAULT_BUDGET_GI
     else:
         add("resident", "generation copy (whole model)", n_params * gen_bytes,
             f"parameters x {gen_bytes}: the HF rollout backend decodes with the whole model", "formula")
-        kv = rows * cfg.rollout.max_episode_tokens * kv_token
+        kv = rows * cfg.rollout.engine.max_episode_tokens * kv_token
         add("rollout", "KV cache, every row at max_episode_tokens", kv,
-            f"{rows} rows x {cfg.rollout.max_episode_tokens} tokens x {kv_token / 1024:.0f} KiB", "formula")
+            f"{rows} rows x {cfg.rollout.engine.max_episode_tokens} tokens x {kv_token / 1024:.0f} KiB", "formula")
         add("rollout", "KV cache growth by torch.cat (allocator holes)", (KV_GROWTH_FACTOR - 1) * kv,
             f"assumed bound: holes up to the live cache again ({KV_GROWTH_FACTOR:g}x in all)", "formula")
     add("resident", "CUDA context + NCCL", CUDA_CONTEXT_BYTES, "assumed constant", "assumed")
@@ -348,11 +348,11 @@ def plan(cfg: TrainConfig, world: int, gpu_memory_gib: float = DEFAULT_BUDGET_GI
     p.activations = {"per_token_per_layer_bytes": full, "checkpointed_per_token_per_layer_bytes": ckpt,
                      "max_tokens": t, "without_checkpointing_gib": act_off / GIB, "with_checkpointing_gib": act_on / GIB}
     # a GRPO group's copies share one prefill; at most max_batch_size rows are decoded together
-    distinct = min(math.ceil(cfg.rollout.tasks_per_step / world), cfg.rollout.max_batch_size)
+    distinct = min(math.ceil(cfg.rollout.tasks_per_step / world), cfg.rollout.engine.max_batch_size)
     if backend != "vllm":
         working = layer_prefill_bytes(hf_config, compute)
-        add("rollout", "prefill working set, one layer (no grad)", working * distinct * cfg.rollout.max_episode_tokens,
-            f"{distinct} distinct prompts x {cfg.rollout.max_episode_tokens} tokens x {working / 1024:.0f} KiB "
+        add("rollout", "prefill working set, one layer (no grad)", working * distinct * cfg.rollout.engine.max_episode_tokens,
+            f"{distinct} distinct prompts x {cfg.rollout.engine.max_episode_tokens} tokens x {working / 1024:.0f} KiB "
             f"(one layer's no-grad peak per token, MemTracker)", "measured")
 
     # update: forward / backward

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastrehearse.algo import AdvantageConfig, compute_advantages
+from fastrehearse.algo import compute_advantages
 from fastrehearse.data import Episode
 from fastrehearse.rollout.vllm_backend import close_shared
 
@@ -201,11 +201,11 @@ def step_rollouts(run: Run) -> tuple[list[Episode], dict]:
     mine = tasks[info.rank::info.world_size]
     t0 = time.perf_counter()
     with phase("rollout"):
-        episodes, rmetrics, n_failed = rollout(run, mine, mode=cfg.rollout.mode,
-                                               temperature=cfg.rollout.temperature,
+        episodes, rmetrics, n_failed = rollout(run, mine, mode=cfg.rollout.engine.mode,
+                                               temperature=cfg.rollout.engine.temperature,
                                                seed=step_seed(cfg.seed, st.step, info.rank),
                                                group_size=cfg.rollout.group_size,
-                                               measure_fidelity=cfg.rollout.measure_fidelity)
+                                               measure_fidelity=cfg.rollout.engine.measure_fidelity)
         rollout_s = time.perf_counter() - t0
         gathered = all_gather_object(([slim_episode(e) for e in episodes], rmetrics, n_failed), info)
     episodes = [e for eps, _, _ in gathered for e in eps]
@@ -225,8 +225,7 @@ def rl_step(run: Run) -> dict:
         return skip_step(run, row, reason=f"only {len(episodes)} episodes for {info.world_size} ranks "
                                       f"({n_failed} rollout failures)")
     # 3. role-wise GRPO advantages (groups = task ids)
-    a = cfg.algo
-    adv = compute_advantages(episodes, advantage_config(a))
+    adv = compute_advantages(episodes, cfg.algo.advantage)
     # Groups (or hybrid strata) whose ACT advantages are all 0 -- equal rewards, or one episode --
     # carry no signal; the same for the world model's REHEARSE.
     row["zero_signal_groups"] = adv.zero_signal_frac.get("ACT", 0.0)
@@ -237,13 +236,6 @@ def rl_step(run: Run) -> dict:
         row.update(policy_update(run, episodes, stage="rl"))
         row.update(sync_generation_weights(run))
     return row
-
-
-
-def advantage_config(a) -> AdvantageConfig:
-    """The advantage settings of `algo` (an AlgoConfig): what rl_step and the signal probe use."""
-    return AdvantageConfig(std_normalize=a.std_normalize, leave_one_out=a.leave_one_out,
-                           gate_rehearse_on_act=a.world_reward.gate == "act_signal")
 
 
 def sft_step(run: Run) -> dict:
@@ -343,7 +335,7 @@ def _summary(run: Run, after: dict, wall_s: float, export_dir, last_checkpoint=N
         "rollout_tokens_per_s": float(np.median(rtps)) if rtps else None,
         "wall_s": wall_s, "steps": run.state.step, "skipped_steps": run.state.skipped_steps,
         "rollout_failures": run.state.rollout_failures, "world_size": run.info.world_size,
-        "backend": run.cfg.rollout.backend, "backend_startup_s": run.backend_startup_s,
+        "backend": run.cfg.rollout.engine.backend, "backend_startup_s": run.backend_startup_s,
         "weight_sync_route": weight_sync_route(run),
         "export_dir": str(export_dir) if export_dir else None,
         "last_checkpoint": str(last_checkpoint) if last_checkpoint else None,

@@ -119,7 +119,7 @@ def build_generation_model(cfg: TrainConfig, info: DistInfo, policy: nn.Module, 
     rollouts need the whole model on every rank (a sharded model would all-gather per decode step
     and make every rank decode in lockstep): a copy in the serving dtype, refreshed after every
     update (verl does the same with its rollout engine)."""
-    if not info.sharded or cfg.rollout.backend == "vllm":
+    if not info.sharded or cfg.rollout.engine.backend == "vllm":
         return hf_model
     gen = empty_model(hf_model.config, serving_dtype(cfg, info.device))
     materialize(gen, info.device)

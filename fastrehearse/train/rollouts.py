@@ -4,6 +4,7 @@ generation model in step with the trained weights."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from fastrehearse.algo.rewards import KEPT_METADATA, assign_rewards, reward_row
 from fastrehearse.data import Episode
@@ -26,7 +27,7 @@ def rollout(run: Run, tasks, *, mode: str, temperature: float, seed: int, group_
     never trained on."""
     if not tasks:
         return [], {}, 0
-    ecfg = run.cfg.rollout.engine(mode=mode, measure_fidelity=measure_fidelity, temperature=temperature)
+    ecfg = replace(run.cfg.rollout.engine, mode=mode, measure_fidelity=measure_fidelity, temperature=temperature)
     engine = RolloutEngine(run.gen_model, run.tokenizer, ecfg)
     run.gen_model.eval()
     try:
@@ -90,8 +91,8 @@ def _rewards(run: Run, res, tasks, mode: str) -> None:
     algo.hybrid_baseline); the engine's score stays in metadata["reward_real"]."""
     c = run.cfg
     assign_rewards(res.episodes, res.trajectories, tasks, run.suite, task_reward=c.env.reward,
-                   world=c.algo.world_reward, rollout_mode=mode, malformed_reward=c.rollout.malformed_reward,
-                   hybrid_baseline=c.algo.hybrid_baseline)
+                   world=c.algo.world_reward, rollout_mode=mode,
+                   malformed_reward=c.rollout.engine.malformed_reward, hybrid_baseline=c.algo.hybrid_baseline)
 
 
 def evaluate(run: Run, *, tag: str) -> dict:
@@ -110,7 +111,7 @@ def evaluate(run: Run, *, tag: str) -> dict:
     t0 = time.perf_counter()
     # every engine field of the run's rollout config (on_max_new_tokens included), eval's own
     # temperature and mode: the one builder the CLI's settings share (fastrehearse.eval.runner)
-    settings = EvalSettings.from_rollout(cfg.rollout, seed=cfg.seed, fidelity=cfg.eval.fidelity,
+    settings = EvalSettings.from_rollout(cfg.rollout.engine, seed=cfg.seed, fidelity=cfg.eval.fidelity,
                                          temperature=cfg.eval.temperature, mode=cfg.eval.mode)
     run.gen_model.eval()
     store = MemoryStore()
@@ -140,7 +141,7 @@ def start_rollout_backend(run: Run) -> float:
     """rollout.backend=vllm: start this rank's vLLM engine, in this process on this rank's device,
     on the generation model now (not in the first step's rollout); its start-up seconds (0 for hf).
     Refusals (vLLM missing, a KV cache too small) are one-line TrainingErrors."""
-    if run.cfg.rollout.backend != "vllm":
+    if run.cfg.rollout.engine.backend != "vllm":
         return 0.0
     try:
         b = _vllm(run)
@@ -153,12 +154,12 @@ def start_rollout_backend(run: Run) -> float:
 
 def _vllm(run: Run):
     dtype = serving_dtype(run.cfg, run.info.device)
-    return shared_backend(run.gen_model, run.tokenizer, run.cfg.rollout, dtype=dtype)
+    return shared_backend(run.gen_model, run.tokenizer, run.cfg.rollout.engine, dtype=dtype)
 
 
 def weight_sync_route(run: Run) -> str:
     """How the trained weights reach the rollout model (summary.json `weight_sync_route`)."""
-    if run.cfg.rollout.backend == "vllm":
+    if run.cfg.rollout.engine.backend == "vllm":
         return "vllm in-process reload, parameter by parameter from the trainer's shards (no file)"
     if run.gen_model is not run.hf_model:
         return "copy into the unsharded generation model, parameter by parameter"
@@ -168,7 +169,7 @@ def weight_sync_route(run: Run) -> str:
 def release_rollout_memory(run: Run) -> None:
     """After a step's rollouts, before its update: the vLLM engine frees its weights and KV cache
     (CUDA sleep mode; nothing on the CPU). The next sync_generation_weights wakes it."""
-    if run.cfg.rollout.backend == "vllm":
+    if run.cfg.rollout.engine.backend == "vllm":
         _vllm(run).release()
 
 
@@ -179,7 +180,7 @@ def sync_generation_weights(run: Run) -> dict:
     model. Returns metrics.jsonl's `weight_sync_s` and, when weights moved, `weight_sync_bytes`."""
     t0 = time.perf_counter()
     row = {}
-    if run.cfg.rollout.backend == "vllm":
+    if run.cfg.rollout.engine.backend == "vllm":
         b = _vllm(run)
         b.sync_weights(run.hf_model)
         row["weight_sync_bytes"] = b.last_sync_bytes

@@ -1,5 +1,6 @@
 """The run directory and the resume policy: what a run leaves in run_dir, when a run_dir may be
-reused (--resume / --overwrite), which settings a resumed run may change, and config.yaml."""
+reused (--resume / --overwrite), which settings a resumed run may change (RESUME_MAY_CHANGE,
+`resume_changes`), and config.yaml."""
 from __future__ import annotations
 
 import os
@@ -14,8 +15,8 @@ from .config import (
     ConfigError,
     TrainConfig,
     dump_config,
+    move_renamed,
     read_config_dict,
-    resume_changes,
     to_dict,
 )
 from .errors import disk_full_guard
@@ -24,13 +25,46 @@ from .parallelize import DistInfo, broadcast_object
 RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "export", "summary.json")
 RUN_OUTPUTS = RUN_FILES + ("curves.png", "summary.md", "tb", "export.tmp")
 
+# Keys (or sections, ending in ".") a resumed run may change: they take effect from the resumed
+# step and are announced. Everything else (model, shapes, seed, data, rollout, loss, SFT layout)
+# must match the checkpoint's config, or the resumed run would not be the run it claims to be.
+RESUME_MAY_CHANGE = ("steps", "run_dir", "device", "max_tokens", "max_consecutive_skips",
+                     "model.activation_checkpointing", "model.kernel_backend", "optim.", "sft.lr", "sft.warmup_steps",
+                     "checkpoint.", "log.", "eval.", "dist.")
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and not (prefix + k).endswith("env.options"):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def resume_changes(old: dict, new: dict) -> tuple[list, list]:
+    """(allowed, forbidden) lists of (key, old value, new value) between two config dicts. The old
+    one's renamed keys are read at their new paths (config.RENAMED_KEYS), as loading reads them; a
+    key the old config lacks (added to the code since) counts as unchanged."""
+    a, b = flatten(move_renamed(old)), flatten(move_renamed(new))
+    allowed, forbidden = [], []
+    for k in sorted(b):
+        if k not in a or a[k] == b[k]:
+            continue
+        if k == "algo.loss.temperature" and a[k] is None:   # configs written before it was resolved
+            continue
+        ok = any(k == p or (p.endswith(".") and k.startswith(p)) for p in RESUME_MAY_CHANGE)
+        (allowed if ok else forbidden).append((k, a[k], b[k]))
+    return allowed, forbidden
+
 
 def prepare_run_dir(cfg: TrainConfig, info: DistInfo, *, resume: bool, overwrite: bool) -> list[str]:
     """Checks on run_dir before anything is written or loaded (rank 0 decides, every rank agrees).
 
     Without --resume, a run_dir holding a run is refused unless --overwrite (which removes that
     run's outputs). With --resume, the config is compared with the latest checkpoint's: a changed
-    key outside config.RESUME_MAY_CHANGE is refused naming it; allowed changes are announced.
+    key outside RESUME_MAY_CHANGE is refused naming it; allowed changes are announced.
     Returns the messages to print."""
     err, notes = None, []
     if info.is_main:

@@ -42,7 +42,7 @@ ASSUMPTIONS = [
 
 def predict_step_time(cfg, hf_config, world: int, n_params: int) -> dict:
     """Seconds per training step, each part as [optimistic, central, pessimistic]."""
-    rc = cfg.rollout
+    rc, ec = cfg.rollout, cfg.rollout.engine
     episodes = math.ceil(rc.tasks_per_step / world) * rc.group_size            # per rank
     n_layers, heads = hf_config.num_hidden_layers, hf_config.num_attention_heads
     hd = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
@@ -51,8 +51,8 @@ def predict_step_time(cfg, hf_config, world: int, n_params: int) -> dict:
     per_token_layer_attn = 4 * heads * hd                                    # QK^T + PV, per context token
     rollout, sync, update = [], [], []
     for s in range(3):
-        length = CONTEXT_FRACTION[s] * rc.max_episode_tokens
-        sampled = min(min(SAMPLED_TURNS[s], rc.max_turns) * rc.max_new_tokens, length)
+        length = CONTEXT_FRACTION[s] * ec.max_episode_tokens
+        sampled = min(min(SAMPLED_TURNS[s], ec.max_turns) * ec.max_new_tokens, length)
         # rollout: each row's context prefilled once (prefix caching), then `sampled` decode steps
         prefill = 2 * n_params * episodes * (length - sampled) / (rate * PREFILL_MFU[s])
         step_bytes = 2 * n_params + episodes * (length / 2) * kv_token
@@ -66,7 +66,7 @@ def predict_step_time(cfg, hf_config, world: int, n_params: int) -> dict:
         tokens = episodes * length
         fwd = 2 * n_params + n_layers * per_token_layer_attn * length / 2  # causal: half the context
         passes = 3 + (1 if cfg.model.activation_checkpointing else 0)
-        nograd = (0 if (cfg.algo.updates_per_batch == 1 and rc.backend == "hf") else 1) + \
+        nograd = (0 if (cfg.algo.updates_per_batch == 1 and ec.backend == "hf") else 1) + \
                  (1 if cfg.algo.loss.kl_coef > 0 else 0)
         flops = fwd * tokens * (passes * cfg.algo.updates_per_batch + nograd)
         micro = math.ceil(tokens / cfg.max_tokens)
@@ -78,7 +78,7 @@ def predict_step_time(cfg, hf_config, world: int, n_params: int) -> dict:
     return {"is_a": "predicted (not measured)", "unit": "s", "range": "[optimistic, central, pessimistic]",
             "parts_s": {k: [round(v, 1) for v in vals] for k, vals in parts.items()},
             "total_s": [round(sum(v[i] for v in parts.values()), 1) for i in range(3)],
-            "rollout_backend_in_config": rc.backend,
+            "rollout_backend_in_config": ec.backend,
             "rollback_copy_ms": 2 * 12 * shard / bw * 1e3 if cfg.optim.rollback_nonfinite else 0.0,
             "assumptions": ASSUMPTIONS}
 

@@ -50,7 +50,7 @@ def check_prompt_lengths(cfg: TrainConfig, suite, tasks: list, tokenizer, sample
     """A prompt that fills rollout.max_episode_tokens leaves nothing to generate: refuse when every
     sampled task's prompt does; returns the warning to log when some do."""
     tmpl = ChatTemplate(tokenizer)
-    budget = cfg.rollout.max_episode_tokens
+    budget = cfg.rollout.engine.max_episode_tokens
     lens = []
     for t in tasks[:sample]:
         env = suite.make_env()
@@ -82,7 +82,7 @@ def gold_episode(run: Run, task) -> Episode:
         env.close()
     r = tmpl.render(list(reset.messages) + list(task.gold), reset.tools, tool_roles=Role.OBSERVED)
     roles = _tag_turn_ends(tmpl, r)
-    n = run.cfg.rollout.max_episode_tokens
+    n = run.cfg.rollout.engine.max_episode_tokens
     return Episode(input_ids=r.input_ids[:n], roles=roles[:n], task_id=task.id, reward=1.0)
 
 

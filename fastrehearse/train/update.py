@@ -37,13 +37,13 @@ def policy_update(run: Run, episodes: list[Episode], *, stage: str) -> dict:
     weights = None
     if stage == "rl" and cfg.algo.aggregation != "token-mean":
         weights = token_weights(batches, cfg.algo.aggregation, counts,
-                                norm_len=cfg.algo.norm_len or cfg.rollout.max_episode_tokens)
+                                norm_len=cfg.algo.norm_len or cfg.rollout.engine.max_episode_tokens)
     tis_row, pg_weights = {}, None
     if stage == "rl":
         # The rollout backend's own log-probs of its samples (NaN where it sampled nothing), kept
         # for truncated IS before old_logp becomes the trainer's (fastrehearse.algo.tis).
         a = cfg.algo
-        tis = cfg.rollout.backend == "vllm" and (a.tis_cap is not None or a.tis_sequence is not None)
+        tis = cfg.rollout.engine.backend == "vllm" and (a.tis_cap is not None or a.tis_sequence is not None)
         rollout_lp = [b.old_logp.clone() for b in batches] if tis else None
         _fill_old_and_ref_logp(run, batches)
         bad = sum(int((~torch.isfinite(b.old_logp)).sum()) for b in batches)
@@ -193,7 +193,7 @@ def _fill_old_and_ref_logp(run: Run, batches) -> None:
     # own (the mismatch is what truncated IS corrects). Reuse is decided by every rank together:
     # the forward below all-gathers FSDP shards, so one rank recomputing while another goes on to
     # the reference forward or the loss would pair mismatched collectives (mixed weights, a hang).
-    reuse = cfg.algo.updates_per_batch == 1 and cfg.rollout.backend == "hf"
+    reuse = cfg.algo.updates_per_batch == 1 and cfg.rollout.engine.backend == "hf"
     if reuse:   # the same on every rank (config), so every rank takes part in any_rank or none does
         local = all(bool(torch.isfinite(b.old_logp).all()) for b in batches)
         reuse = not any_rank(not local, run.info)
