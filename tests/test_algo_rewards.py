@@ -355,3 +355,47 @@ def test_trainer_rollout_assigns_the_configured_rewards(llama, monkeypatch):
         assert e.role_rewards[int(Role.REHEARSE)] == e.metadata["world_reward"]["reward"] == pytest.approx((1 + g) / 2)
     row = rollouts.rollout_row(slim, [metrics], 1.0)
     assert row["reward"] == 1.0 and row["reward_real"] == 0.0 and row["world_grounded"] == pytest.approx(g)
+
+
+def _engine_episode(task, traj, malformed: dict, malformed_reward):
+    """What the rollout engine builds from a finished row (rollout/episode.py), for a row that ran
+    `traj` against the builtin world."""
+    from types import SimpleNamespace
+
+    from fastrehearse.rollout.config import RolloutConfig
+    from fastrehearse.rollout.episode import build_episode
+    p = SimpleNamespace(task=task, seed=0, input_ids=[1])
+    row = SimpleNamespace(p=p, env=EASY.make_env(), error=None, traj=traj, malformed=malformed,
+                          cfg=RolloutConfig(malformed_reward=malformed_reward), stop_reason="final_answer",
+                          turns=2, user_turns=0, cut_turns=0, call_log=[{"name": "get_balance", "mode": "rehearse"}],
+                          fidelity=[], tools_changed=[], policy_log=[], ids=[1, 2, 3],
+                          roles=[int(Role.CONTEXT), int(Role.ACT), int(Role.ACT)], logps=[float("nan")] * 3)
+    ep = build_episode(row)
+    ep.metadata["group"] = 0
+    return ep
+
+
+@pytest.mark.parametrize("task_reward", ["real", "consistent", "calls"])
+@pytest.mark.parametrize("malformed_reward", [0.0, -0.5, None])
+def test_malformed_episode_rewards_in_every_mode(task_reward, malformed_reward):
+    """The trained reward (and the logged real one) of an episode with a malformed call, from the
+    engine's episode through assign_rewards: malformed_reward in every mode; None scores it as any
+    other episode. Two answers: right in the real world (real 1, consistent 0) and faithful to the
+    rehearsed world (real 0, consistent 1); both make the required call (calls 1)."""
+    task = _easy("get_balance")
+    aid = task.payload["required_calls"][0]["arguments"]["account_id"]
+    real = task.payload["answer"]["value"]
+    resp = {"account_id": aid, "balance": 1234.56, "currency": "USD"}
+    trajs = {"real_right": _traj(task, resp, f"It is {real:.2f} USD."),
+             "world_right": _traj(task, resp, "The balance is 1234.56 USD.")}
+    scores = {"real_right": {"real": 1.0, "consistent": 0.0, "calls": 1.0},
+              "world_right": {"real": 0.0, "consistent": 1.0, "calls": 1.0}}
+    for name, traj in trajs.items():
+        for malformed in ({"bad_json": 1}, {}):
+            ep = _engine_episode(task, traj, malformed, malformed_reward)
+            eps = [ep]
+            assign_rewards(eps, [traj], [task], EASY, task_reward=task_reward, malformed_reward=malformed_reward)
+            hit = bool(malformed) and malformed_reward is not None
+            want = malformed_reward if hit else scores[name][task_reward]
+            want_real = malformed_reward if hit else scores[name]["real"]
+            assert (eps[0].reward, eps[0].metadata["reward_real"]) == (want, want_real), (name, malformed)
