@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _common import add_output_args, hardware, output_path, matmul_tflops, print_table, write_json  # noqa: E402
 
-from fastrehearse.algo import AdvantageConfig, compute_advantages, local_counts  # noqa: E402
+from fastrehearse.algo import AdvantageConfig, compute_advantages, local_counts, with_advantages  # noqa: E402
 from fastrehearse.data import Episode  # noqa: E402
 from fastrehearse.kernels import PolicyLossConfig, linear_policy_loss  # noqa: E402
 from fastrehearse.kernels.roles import Role  # noqa: E402
@@ -115,8 +115,7 @@ def make_episodes(prompts, toks, lps, group: int, seed: int) -> list[Episode]:
         eps.append(Episode(input_ids=p + t, roles=roles, task_id=f"task{i // group}",
                            reward=float(torch.rand((), generator=rng) > 0.5),
                            rollout_logprobs=[math.nan] * len(p) + lp))
-    compute_advantages(eps, AdvantageConfig())
-    return eps
+    return with_advantages(eps, compute_advantages(eps, AdvantageConfig())[0])
 
 
 def rl_update(wrapped, opt, episodes, max_tokens: int, device) -> tuple[float, int]:

@@ -12,7 +12,7 @@ import torch
 from fastrehearse.data import Episode
 from fastrehearse.kernels.roles import Role
 from fastrehearse.train.config import load_config
-from fastrehearse.algo import compute_advantages
+from fastrehearse.algo import compute_advantages, with_advantages
 from fastrehearse.train.build import setup
 from fastrehearse.train.update import policy_update
 from fastrehearse.train.parallelize import destroy_distributed, exit_worker, init_distributed
@@ -73,7 +73,7 @@ def main(out_path: str, *overrides: str) -> None:
     row = policy_update(run, eps, stage="sft")
     res["losses"].append(row["loss"])
     res["grads"].append(grads(run.policy))
-    compute_advantages(eps, AdvantageConfig())
+    eps = with_advantages(eps, compute_advantages(eps, AdvantageConfig())[0])
     if nan_ep:
         rollout_logprobs(eps, int(nan_ep[0].split("=", 1)[1]))
     row = policy_update(run, eps, stage="rl")

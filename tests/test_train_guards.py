@@ -10,7 +10,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _train_dist_worker import episodes  # noqa: E402
 
-from fastrehearse.algo import AdvantageConfig, compute_advantages  # noqa: E402
 from fastrehearse.train.build import LRSchedule, setup  # noqa: E402
 from fastrehearse.train.errors import TrainingError  # noqa: E402
 from fastrehearse.train.rollouts import rollout  # noqa: E402
@@ -30,7 +29,6 @@ def run(tmp_path_factory):
 
 def test_nonfinite_steps_are_skipped_then_stop(run):
     eps = episodes(len(run.tokenizer))
-    compute_advantages(eps, AdvantageConfig())
     norm = run.hf_model.model.norm.weight
     saved = norm.detach().clone()
     with torch.no_grad():
