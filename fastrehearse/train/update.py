@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from fastrehearse.algo import local_counts, token_weights
 from fastrehearse.algo.tis import apply_tis
 from fastrehearse.data import Episode
+from fastrehearse.dtensor import full_tensor, local_shard
 from fastrehearse.kernels import linear_logprobs
 from fastrehearse.kernels.roles import Role
 from fastrehearse.packing import pack
@@ -115,7 +116,7 @@ def _one_update(run: Run, batches, counts, weights, stage: str, pg_weights=None)
     snap = _snapshot(run) if cfg.optim.rollback_nonfinite else None
     try:
         run.optimizer.step()
-        bad = sum(int(not bool(torch.isfinite(_local(p)).all())) for p in run.policy.parameters())
+        bad = sum(int(not bool(torch.isfinite(local_shard(p)).all())) for p in run.policy.parameters())
     except RuntimeError as e:   # AdamW's step size beyond float32 ("... without overflow")
         if "overflow" not in str(e):
             raise
@@ -131,19 +132,14 @@ def _one_update(run: Run, batches, counts, weights, stage: str, pg_weights=None)
     return row
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _snapshot(run: Run):
     """Copies of this rank's parameter shards and optimizer state, to undo one optimizer step."""
     params = [p for g in run.optimizer.param_groups for p in g["params"]]
     saved = []
     for p in params:
         st = run.optimizer.state.get(p)
-        saved.append((_local(p).clone(),
-                      None if st is None else {k: (_local(v).clone() if torch.is_tensor(v) else copy.deepcopy(v))
+        saved.append((local_shard(p).clone(),
+                      None if st is None else {k: (local_shard(v).clone() if torch.is_tensor(v) else copy.deepcopy(v))
                                                for k, v in st.items()}))
     return params, saved
 
@@ -152,14 +148,14 @@ def _snapshot(run: Run):
 def _restore(run: Run, snap) -> None:
     params, saved = snap
     for p, (value, st) in zip(params, saved):
-        _local(p).copy_(value)
+        local_shard(p).copy_(value)
         if st is None:
             run.optimizer.state.pop(p, None)
             continue
         cur = run.optimizer.state[p]
         for k, v in st.items():
             if torch.is_tensor(v) and torch.is_tensor(cur.get(k)):
-                _local(cur[k]).copy_(v)
+                local_shard(cur[k]).copy_(v)
             else:
                 cur[k] = v
 
@@ -229,8 +225,7 @@ def _clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     if not params:
         return 0.0
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
+    norm = full_tensor(norm)
     if max_norm > 0 and torch.isfinite(norm):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return float(norm)
