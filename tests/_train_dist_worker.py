@@ -10,6 +10,7 @@ import sys
 import torch
 
 from fastrehearse.data import Episode
+from fastrehearse.dtensor import full_tensor
 from fastrehearse.kernels.roles import Role
 from fastrehearse.train.config import load_config
 from fastrehearse.algo import compute_advantages, with_advantages
@@ -39,14 +40,12 @@ def grads(model) -> dict:
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        gr = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        out[name] = gr.detach().clone()
+        out[name] = full_tensor(p.grad).detach().clone()
     return out
 
 
 def params(model) -> dict:
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in model.named_parameters()}
+    return {n: full_tensor(p).detach().clone() for n, p in model.named_parameters()}
 
 
 def rollout_logprobs(eps: list[Episode], nan_episode: int | None) -> None:
