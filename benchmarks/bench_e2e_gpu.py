@@ -40,8 +40,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _common import add_output_args, hardware, output_path, matmul_tflops, print_table, write_json  # noqa: E402
 
-from fastrehearse.algo import AdvantageConfig, compute_advantages, local_counts  # noqa: E402
+from fastrehearse.algo import AdvantageConfig, compute_advantages, local_counts, with_advantages  # noqa: E402
 from fastrehearse.data import Episode  # noqa: E402
+from fastrehearse.dtensor import full_tensor  # noqa: E402
 from fastrehearse.kernels import PolicyLossConfig, linear_policy_loss  # noqa: E402
 from fastrehearse.kernels.roles import Role  # noqa: E402
 from fastrehearse.model import ATTN_IMPL, RehearsalModel  # noqa: E402
@@ -115,8 +116,7 @@ def make_episodes(prompts, toks, lps, group: int, seed: int) -> list[Episode]:
         eps.append(Episode(input_ids=p + t, roles=roles, task_id=f"task{i // group}",
                            reward=float(torch.rand((), generator=rng) > 0.5),
                            rollout_logprobs=[math.nan] * len(p) + lp))
-    compute_advantages(eps, AdvantageConfig())
-    return eps
+    return with_advantages(eps, compute_advantages(eps, AdvantageConfig())[0])
 
 
 def rl_update(wrapped, opt, episodes, max_tokens: int, device) -> tuple[float, int]:
@@ -133,7 +133,7 @@ def rl_update(wrapped, opt, episodes, max_tokens: int, device) -> tuple[float, i
         tokens += int(b.targets.numel())
     params = [p for p in wrapped.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    norm = full_tensor(norm)
     torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm)
     opt.step()
     opt.zero_grad(set_to_none=True)

@@ -45,6 +45,7 @@ from fastrehearse.envs.builtin import BuiltinSuite
 from fastrehearse.kernels.roles import Role
 from fastrehearse.model import load_model
 from fastrehearse.rollout.engine import SIMULATOR_SYSTEM, RolloutConfig, RolloutEngine
+from fastrehearse.rollout.gold import gold_replies
 from fastrehearse.rollout.template import ChatTemplate, assistant_text
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_output_args, cpu_model, output_path  # noqa: E402
@@ -64,7 +65,7 @@ class GoldScript:
         tool_end = tmpl.scaffolding.texts["tool_to_assistant"].split(marker)[0] + marker
         self.by_prompt = {}
         for task in tasks:
-            acts = [tmpl.encode(assistant_text(m) + end) for m in task.gold if m["role"] == "assistant"]
+            acts = [tmpl.encode(assistant_text(m) + end) for m in gold_replies(task)]
             tools = [m["content"] for m in task.gold if m["role"] == "tool"]
             self.by_prompt[task.payload["prompt"]] = (acts, [tmpl.encode(c) + tmpl.encode(tool_end) for c in tools],
                                                       [tmpl.encode(c + end) for c in tools])

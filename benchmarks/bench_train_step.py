@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from _common import (add_output_args, bar_plot, default_json, output_path, fmt_bytes, hardware, matmul_tflops,  # noqa: E402
                      peak_extra_bytes, print_table, write_json)
 
-from fastrehearse.algo import AdvantageConfig, compute_advantages, local_counts  # noqa: E402
+from fastrehearse.algo import AdvantageConfig, compute_advantages, local_counts, with_advantages  # noqa: E402
 from fastrehearse.data import Episode  # noqa: E402
 from fastrehearse.kernels import PolicyLossConfig, linear_policy_loss  # noqa: E402
 from fastrehearse.kernels.roles import NUM_ROLES, Role  # noqa: E402
@@ -73,8 +73,7 @@ def make_episodes(n: int, vocab: int, seed: int = 0) -> list[Episode]:
         ids = torch.randint(0, vocab, (len(roles),), generator=g).tolist()
         out.append(Episode(input_ids=ids, roles=roles, task_id=f"task{i // 4}",
                            reward=float(torch.rand((), generator=g) > 0.5)))
-    compute_advantages(out, AdvantageConfig())
-    return out
+    return with_advantages(out, compute_advantages(out, AdvantageConfig())[0])
 
 
 @torch.no_grad()

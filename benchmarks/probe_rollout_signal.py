@@ -112,7 +112,7 @@ def probe(a, name: str, path: str, arm: str, temperature: float | None) -> dict:
                                              seed=step_seed(cfg.seed, step, 0), group_size=c.group_size,
                                              measure_fidelity=ec.measure_fidelity)
             row = rollout_row(eps, [metrics], time.perf_counter() - t_step)
-            adv = compute_advantages(eps, cfg.algo.advantage)
+            _, adv = compute_advantages(eps, cfg.algo.advantage)
             row.update(failures=failures, zero_signal_act=adv.zero_signal_frac.get("ACT", 0.0),
                        zero_signal_rehearse=adv.zero_signal_frac.get("REHEARSE", 0.0),
                        groups=adv.num_groups, act_signal_groups=adv.act_signal_groups,

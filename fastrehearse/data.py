@@ -25,7 +25,8 @@ class Episode:
     rollout_logprobs: list[float] | None = None
     # Optional per-role reward overrides (e.g. a world-model fidelity reward for REHEARSE tokens).
     role_rewards: dict[int, float] = field(default_factory=dict)
-    # Optional per-token advantages, filled by fastrehearse.algo (None until then).
+    # Per-token advantages, what packing reads (None: 0 everywhere); computed by
+    # fastrehearse.algo.compute_advantages and set on new episodes by `with_advantages`.
     advantages: list[float] | None = None
     # The engine's record (fastrehearse/rollout/engine.py): stop_reason, turns, user_turns, calls,
     # malformed, prompt_tokens, fidelity, seed, group/sample; when present: tools_changed, policy,

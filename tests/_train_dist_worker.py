@@ -10,9 +10,10 @@ import sys
 import torch
 
 from fastrehearse.data import Episode
+from fastrehearse.dtensor import full_tensor
 from fastrehearse.kernels.roles import Role
 from fastrehearse.train.config import load_config
-from fastrehearse.algo import compute_advantages
+from fastrehearse.algo import compute_advantages, with_advantages
 from fastrehearse.train.build import setup
 from fastrehearse.train.update import policy_update
 from fastrehearse.train.parallelize import destroy_distributed, exit_worker, init_distributed
@@ -39,14 +40,12 @@ def grads(model) -> dict:
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        gr = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        out[name] = gr.detach().clone()
+        out[name] = full_tensor(p.grad).detach().clone()
     return out
 
 
 def params(model) -> dict:
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in model.named_parameters()}
+    return {n: full_tensor(p).detach().clone() for n, p in model.named_parameters()}
 
 
 def rollout_logprobs(eps: list[Episode], nan_episode: int | None) -> None:
@@ -73,7 +72,7 @@ def main(out_path: str, *overrides: str) -> None:
     row = policy_update(run, eps, stage="sft")
     res["losses"].append(row["loss"])
     res["grads"].append(grads(run.policy))
-    compute_advantages(eps, AdvantageConfig())
+    eps = with_advantages(eps, compute_advantages(eps, AdvantageConfig())[0])
     if nan_ep:
         rollout_logprobs(eps, int(nan_ep[0].split("=", 1)[1]))
     row = policy_update(run, eps, stage="rl")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fastrehearse.algo import (AdvantageConfig, compute_advantages, group_advantages, local_counts,
-                               token_weights)
+                               token_weights, with_advantages)
 from fastrehearse.data import Episode
 from fastrehearse.kernels.roles import Role
 
@@ -24,47 +24,60 @@ def _group():
     return [_ep("a", 1.0, {R: 0.2}), _ep("a", 0.0), _ep("b", 1.0), _ep("a", 0.5), _ep("b", 1.0)]
 
 
-def _check_tokens(ep, act, reh):
+def _check_tokens(adv, act, reh):
     want = [0, 0, act, act, reh, 0, act]
-    assert ep.advantages == pytest.approx(want, abs=1e-12)
+    assert adv == pytest.approx(want, abs=1e-12)
 
 
 def test_group_mean_baseline_per_role_hand_computed():
-    eps = _group()
-    stats = compute_advantages(eps)
+    adv, stats = compute_advantages(_group())
     # ACT: mean 0.5 -> [0.5, -0.5, 0]; REHEARSE: mean 0.7/3 -> [0.2-0.7/3, -0.7/3, 0.5-0.7/3]
-    _check_tokens(eps[0], 0.5, 0.2 - 0.7 / 3)
-    _check_tokens(eps[1], -0.5, -0.7 / 3)
-    _check_tokens(eps[3], 0.0, 0.5 - 0.7 / 3)
-    _check_tokens(eps[2], 0.0, 0.0)
-    _check_tokens(eps[4], 0.0, 0.0)
+    _check_tokens(adv[0], 0.5, 0.2 - 0.7 / 3)
+    _check_tokens(adv[1], -0.5, -0.7 / 3)
+    _check_tokens(adv[3], 0.0, 0.5 - 0.7 / 3)
+    _check_tokens(adv[2], 0.0, 0.0)
+    _check_tokens(adv[4], 0.0, 0.0)
     assert stats.num_groups == 2
     assert stats.zero_std_frac == {"ACT": 0.5, "REHEARSE": 0.5}
 
 
-def test_std_normalization_hand_computed():
+def test_advantages_are_returned_and_the_episodes_left_unchanged():
+    """compute_advantages reads the episodes; `with_advantages` gives new ones carrying its result
+    (what packing reads), the given ones untouched."""
     eps = _group()
-    compute_advantages(eps, AdvantageConfig(std_normalize=True, eps=0.0))
+    before = [(e.reward, dict(e.role_rewards), dict(e.metadata), e.advantages) for e in eps]
+    adv, _ = compute_advantages(eps)
+    assert [(e.reward, dict(e.role_rewards), dict(e.metadata), e.advantages) for e in eps] == before
+    assert all(e.advantages is None for e in eps)
+    new = with_advantages(eps, adv)
+    assert [e.advantages for e in new] == adv and all(a is not b for a, b in zip(new, eps))
+    assert [(e.input_ids, e.roles, e.task_id, e.reward, e.role_rewards) for e in new] == \
+        [(e.input_ids, e.roles, e.task_id, e.reward, e.role_rewards) for e in eps]
+    assert all(e.advantages is None for e in eps)
+    with pytest.raises(ValueError, match="advantage lists"):
+        with_advantages(eps, adv[:-1])
+
+
+def test_std_normalization_hand_computed():
+    adv, _ = compute_advantages(_group(), AdvantageConfig(std_normalize=True, eps=0.0))
     # ACT rewards [1, 0, 0.5]: unbiased std = sqrt((0.25 + 0.25 + 0) / 2) = 0.5
     m = 0.7 / 3
     s = math.sqrt(((0.2 - m) ** 2 + m ** 2 + (0.5 - m) ** 2) / 2)   # REHEARSE [0.2, 0, 0.5]
-    _check_tokens(eps[0], 1.0, (0.2 - m) / s)
-    _check_tokens(eps[1], -1.0, -m / s)
-    _check_tokens(eps[3], 0.0, (0.5 - m) / s)
+    _check_tokens(adv[0], 1.0, (0.2 - m) / s)
+    _check_tokens(adv[1], -1.0, -m / s)
+    _check_tokens(adv[3], 0.0, (0.5 - m) / s)
     # zero-variance group: 0 / (0 + eps) stays 0, never NaN
-    eps2 = _group()
-    compute_advantages(eps2, AdvantageConfig(std_normalize=True))
-    assert eps2[2].advantages == [0.0] * len(ROLES)
+    adv2, _ = compute_advantages(_group(), AdvantageConfig(std_normalize=True))
+    assert adv2[2] == [0.0] * len(ROLES)
 
 
 def test_leave_one_out_hand_computed():
-    eps = _group()
-    compute_advantages(eps, AdvantageConfig(leave_one_out=True))
+    adv, _ = compute_advantages(_group(), AdvantageConfig(leave_one_out=True))
     # ACT baselines: mean of the others = [0.25, 0.75, 0.5] -> [0.75, -0.75, 0.0]
     # REHEARSE [0.2, 0, 0.5]: baselines [0.25, 0.35, 0.1] -> [-0.05, -0.35, 0.4]
-    _check_tokens(eps[0], 0.75, -0.05)
-    _check_tokens(eps[1], -0.75, -0.35)
-    _check_tokens(eps[3], 0.0, 0.4)
+    _check_tokens(adv[0], 0.75, -0.05)
+    _check_tokens(adv[1], -0.75, -0.35)
+    _check_tokens(adv[3], 0.0, 0.4)
 
 
 REAL_ROLES = [C, C, A, A, O, O, A]     # a call executed for real: no REHEARSE token
@@ -78,19 +91,19 @@ def test_role_baseline_only_over_episodes_where_the_role_acted(loo):
     eps = [_ep("h", 1.0, roles=REAL_ROLES), _ep("h", 1.0, roles=REAL_ROLES),
            _ep("h", 0.0), _ep("h", 0.5),                     # rehearsed
            _ep("s", 1.0, roles=REAL_ROLES), _ep("s", 0.0)]   # one rehearsal in its group
-    stats = compute_advantages(eps, AdvantageConfig(leave_one_out=loo))
+    adv, stats = compute_advantages(eps, AdvantageConfig(leave_one_out=loo))
     if loo:   # ACT over all 4 of "h": others' means [0.5, 0.5, 0.833.., 0.666..]; REHEARSE over 2
         act, reh = [0.5, 0.5, -2.5 / 3, 0.5 - 2 / 3], [-0.5, 0.5]
     else:     # ACT mean 0.625 over 4; REHEARSE mean 0.25 over the 2 that rehearsed
         act, reh = [0.375, 0.375, -0.625, -0.125], [-0.25, 0.25]
-    for ep, a in zip(eps[:2], act[:2]):
-        assert ep.advantages == pytest.approx([0, 0, a, a, 0, 0, a], abs=1e-12)
-    _check_tokens(eps[2], act[2], reh[0])
-    _check_tokens(eps[3], act[3], reh[1])
+    for got, a in zip(adv[:2], act[:2]):
+        assert got == pytest.approx([0, 0, a, a, 0, 0, a], abs=1e-12)
+    _check_tokens(adv[2], act[2], reh[0])
+    _check_tokens(adv[3], act[3], reh[1])
     # group "s": ACT +-0.5, its single rehearsal has no baseline -> 0 (a lone role has no signal)
     a_s = 1.0 if loo else 0.5
-    assert eps[4].advantages == pytest.approx([0, 0, a_s, a_s, 0, 0, a_s], abs=1e-12)
-    _check_tokens(eps[5], -a_s, 0.0)
+    assert adv[4] == pytest.approx([0, 0, a_s, a_s, 0, 0, a_s], abs=1e-12)
+    _check_tokens(adv[5], -a_s, 0.0)
     assert stats.mean_reward["REHEARSE"] == pytest.approx((0.0 + 0.5 + 0.0) / 3)
     assert stats.zero_std_frac == {"ACT": 0.0, "REHEARSE": 0.0}
 
@@ -99,20 +112,6 @@ def test_singleton_group_gets_zero_and_rejects_nonfinite():
     assert group_advantages(torch.tensor([0.7])).tolist() == [0.0]
     with pytest.raises(ValueError, match="non-finite"):
         group_advantages(torch.tensor([1.0, float("nan")]))
-
-
-def test_turn_level_rewards_added_to_their_span():
-    roles = [C, A, A, R, R, A, A]
-    e0 = _ep("t", 1.0, roles=roles, turn_rewards=[(1, 3, 1.0), (5, 7, 0.0)])
-    e1 = _ep("t", 0.0, roles=roles, turn_rewards=[(1, 3, 0.0), (5, 7, 1.0)])
-    compute_advantages([e0, e1], AdvantageConfig(turn_reward_coef=0.5))
-    # episode ACT advantage: +-0.5; turn rewards pooled per (group, ACT): mean 0.5, so each span
-    # gets 0.5 * (r - 0.5) = +-0.25; REHEARSE tokens (no turn reward) keep the episode's +-0.5
-    assert e0.advantages == pytest.approx([0, 0.75, 0.75, 0.5, 0.5, 0.25, 0.25])
-    assert e1.advantages == pytest.approx([0, -0.75, -0.75, -0.5, -0.5, -0.25, -0.25])
-    bad = _ep("t", 1.0, roles=roles, turn_rewards=[(2, 4, 1.0)])
-    with pytest.raises(ValueError, match="mixes roles"):
-        compute_advantages([bad])
 
 
 class _B:

@@ -210,15 +210,18 @@ def test_assign_rewards_then_advantages_per_role():
     A, R, C = int(Role.ACT), int(Role.REHEARSE), int(Role.CONTEXT)
     eps = [_episode(task.id, [C, A, R, R, A], 0.0, calls=[{"name": "get_balance", "mode": "rehearse"}]),
            _episode(task.id, [C, A, R, A], 0.0, calls=[{"name": "get_balance", "mode": "rehearse"}])]
-    assign_rewards(eps, [good, bad], [task], EASY, task_reward="consistent", world=WorldRewardConfig(mode="world"),
-                   rollout_mode="rehearse")
+    given = [(e.reward, dict(e.role_rewards), dict(e.metadata)) for e in eps]
+    eps2 = assign_rewards(eps, [good, bad], [task], EASY, task_reward="consistent",
+                          world=WorldRewardConfig(mode="world"), rollout_mode="rehearse")
+    assert [(e.reward, dict(e.role_rewards), dict(e.metadata)) for e in eps] == given   # not changed
+    eps = eps2
     assert [e.reward for e in eps] == [1.0, 0.0]
     assert [e.metadata["reward_real"] for e in eps] == [0.0, 0.0]
     w_bad = (1 + 1 / 3 + 0) / 3
     assert eps[0].role_rewards[R] == 1.0 and eps[1].role_rewards[R] == pytest.approx(w_bad)
-    compute_advantages(eps)
-    assert eps[0].advantages == [0.0, 0.5, pytest.approx((1 - w_bad) / 2), pytest.approx((1 - w_bad) / 2), 0.5]
-    assert eps[1].advantages == [0.0, -0.5, pytest.approx(-(1 - w_bad) / 2), -0.5]
+    adv, _ = compute_advantages(eps)
+    assert adv[0] == [0.0, 0.5, pytest.approx((1 - w_bad) / 2), pytest.approx((1 - w_bad) / 2), 0.5]
+    assert adv[1] == [0.0, -0.5, pytest.approx(-(1 - w_bad) / 2), -0.5]
     row = reward_row(eps)
     assert row["reward_real"] == 0.0 and row["world_reward"] == pytest.approx((1 + w_bad) / 2)
 
@@ -228,8 +231,8 @@ def test_malformed_keeps_malformed_reward_and_errors_are_left_alone():
     aid = task.payload["required_calls"][0]["arguments"]["account_id"]
     traj = _traj(task, {"account_id": aid, "balance": 1.0, "currency": "USD"}, "1.00")
     A = int(Role.ACT)
-    eps = [_episode(task.id, [A], 0.0, malformed={"bad_json": 1}), _episode(task.id, [A], 0.0, error="score: boom")]
-    assign_rewards(eps, [traj, traj], [task], EASY, task_reward="consistent")
+    eps = [_episode(task.id, [A], 1.0, malformed={"bad_json": 1}), _episode(task.id, [A], 0.0, error="score: boom")]
+    eps = assign_rewards(eps, [traj, traj], [task], EASY, task_reward="consistent")
     assert eps[0].reward == 0.0 and eps[0].metadata["reward_real"] == 0.0
     assert eps[1].reward == 0.0 and "reward_real" not in eps[1].metadata
     with pytest.raises(ValueError, match="only"):
@@ -252,11 +255,10 @@ def test_hybrid_act_baseline_within_strata():
             for e in out:
                 e.metadata["stratum"] = stratum_of(e.metadata["calls"])
         return out
-    pooled, strat = eps(False), eps(True)
-    compute_advantages(pooled)
-    st = compute_advantages(strat)
-    assert [e.advantages[1] for e in pooled] == [0.25, 0.25, -0.75, 0.25]
-    assert [e.advantages[1] for e in strat] == [0.0, 0.0, -0.5, 0.5]
+    pooled, _ = compute_advantages(eps(False))
+    strat, st = compute_advantages(eps(True))
+    assert [a[1] for a in pooled] == [0.25, 0.25, -0.75, 0.25]
+    assert [a[1] for a in strat] == [0.0, 0.0, -0.5, 0.5]
     assert st.zero_signal_frac["ACT"] == 0.5 and st.zero_std_frac["ACT"] == 0.5   # the real stratum: all 1
 
 
@@ -273,30 +275,23 @@ def test_world_reward_gated_on_act_signal():
         for e, w in zip(out, (0.9, 0.3, 0.8, 0.2)):
             e.role_rewards[R] = w
         return out
-    plain, gated = eps(), eps()
-    compute_advantages(plain)
-    st = compute_advantages(gated, AdvantageConfig(gate_rehearse_on_act=True))
-    assert [e.advantages for e in plain] == [[0.0, 0.0, pytest.approx(0.3), 0.0], [0.0, 0.0, pytest.approx(-0.3), 0.0],
+    plain, _ = compute_advantages(eps())
+    gated, st = compute_advantages(eps(), AdvantageConfig(gate_rehearse_on_act=True))
+    assert plain == [[0.0, 0.0, pytest.approx(0.3), 0.0], [0.0, 0.0, pytest.approx(-0.3), 0.0],
                                              [0.0, 0.5, pytest.approx(0.3), 0.5], [0.0, -0.5, pytest.approx(-0.3), -0.5]]
-    assert [e.advantages for e in gated] == [[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0],
+    assert gated == [[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0],
                                              [0.0, 0.5, pytest.approx(0.3), 0.5], [0.0, -0.5, pytest.approx(-0.3), -0.5]]
     assert st.zero_signal_frac == {"ACT": 0.5, "REHEARSE": 0.5}
     assert st.act_signal_groups == 1
     # a group where REHEARSE never acted (both calls malformed, say) carries no REHEARSE signal
     none = [_episode("m", [C, A], 0.0), _episode("m", [C, A], 1.0)]
-    assert compute_advantages(none).zero_signal_frac == {"ACT": 0.0, "REHEARSE": 1.0}
-    # turn-level REHEARSE spans of a gated group are dropped too
-    e = eps()[:2]
-    e[0].metadata["turn_rewards"] = [(2, 3, 1.0)]
-    e[1].metadata["turn_rewards"] = [(2, 3, 0.0)]
-    compute_advantages(e, AdvantageConfig(gate_rehearse_on_act=True))
-    assert e[0].advantages == [0.0] * 4 and e[1].advantages == [0.0] * 4
+    assert compute_advantages(none)[1].zero_signal_frac == {"ACT": 0.0, "REHEARSE": 1.0}
     # hybrid strata: ACT equal within each stratum, unequal across -> no ACT signal -> gated
     h = eps()[:2]
     h[0].metadata["stratum"], h[1].metadata["stratum"] = "real", "rehearsed"
     h[0].reward = 1.0
-    sh = compute_advantages(h, AdvantageConfig(gate_rehearse_on_act=True))
-    assert h[0].advantages == [0.0] * 4 and sh.act_signal_groups == 0
+    ha, sh = compute_advantages(h, AdvantageConfig(gate_rehearse_on_act=True))
+    assert ha[0] == [0.0] * 4 and sh.act_signal_groups == 0
     # the config key is the AdvantageConfig the trainer passes to compute_advantages
     assert load_config(None, ["algo.advantage.gate_rehearse_on_act=true"]).algo.advantage == \
         AdvantageConfig(gate_rehearse_on_act=True)
@@ -310,7 +305,7 @@ def test_assign_rewards_tags_hybrid_strata_only_in_hybrid():
     traj = _traj(task, "{}", "x", rehearsed=False)
     for mode, baseline, want in (("hybrid", "strata", True), ("hybrid", "pooled", False), ("rehearse", "strata", False)):
         e = _episode(task.id, [int(Role.ACT)], 0.0, calls=[{"mode": "real"}])
-        assign_rewards([e], [traj], [task], EASY, rollout_mode=mode, hybrid_baseline=baseline)
+        [e] = assign_rewards([e], [traj], [task], EASY, rollout_mode=mode, hybrid_baseline=baseline)
         assert ("stratum" in e.metadata) == want
 
 
@@ -324,7 +319,7 @@ def llama():
 
 def test_trainer_rollout_assigns_the_configured_rewards(llama, monkeypatch):
     """train/rollouts.py: `rollout()` applies env.reward / algo.world_reward to the engine's
-    episodes, `slim_episode` keeps what the advantages read, `rollout_row` logs both rewards."""
+    episodes, `rollout_row` logs both rewards."""
     import functools
     import types
 
@@ -345,11 +340,55 @@ def test_trainer_rollout_assigns_the_configured_rewards(llama, monkeypatch):
     eps, metrics, failures = rollouts.rollout(run, [task], mode="rehearse", temperature=1.0, seed=0, group_size=1,
                                               measure_fidelity=True)
     assert failures == 0 and len(eps) == 1 and eps[0].metadata["stop_reason"] == "final_answer"
-    slim = [rollouts.slim_episode(e) for e in eps]
-    for e in slim:
+    for e in eps:
         assert e.reward == 1.0 and e.metadata["reward_real"] == 0.0     # faithful to its world, wrong in the real one
         g = e.metadata["fidelity"][0]["field_f1"]
         assert 0 < g < 1                                   # account_id and currency right, balance wrong
         assert e.role_rewards[int(Role.REHEARSE)] == e.metadata["world_reward"]["reward"] == pytest.approx((1 + g) / 2)
-    row = rollouts.rollout_row(slim, [metrics], 1.0)
+    row = rollouts.rollout_row(eps, [metrics], 1.0)
     assert row["reward"] == 1.0 and row["reward_real"] == 0.0 and row["world_grounded"] == pytest.approx(g)
+
+
+def _engine_episode(task, traj, malformed: dict, malformed_reward):
+    """What the rollout engine builds from a finished row (rollout/episode.py), for a row that ran
+    `traj` against the builtin world."""
+    from types import SimpleNamespace
+
+    from fastrehearse.rollout.config import RolloutConfig
+    from fastrehearse.rollout.episode import build_episode
+    p = SimpleNamespace(task=task, seed=0, input_ids=[1])
+    row = SimpleNamespace(p=p, env=EASY.make_env(), error=None, traj=traj, malformed=malformed,
+                          cfg=RolloutConfig(malformed_reward=malformed_reward), stop_reason="final_answer",
+                          turns=2, user_turns=0, cut_turns=0, call_log=[{"name": "get_balance", "mode": "rehearse"}],
+                          fidelity=[], tools_changed=[], policy_log=[], ids=[1, 2, 3],
+                          roles=[int(Role.CONTEXT), int(Role.ACT), int(Role.ACT)], logps=[float("nan")] * 3)
+    ep = build_episode(row)
+    ep.metadata["group"] = 0
+    return ep
+
+
+@pytest.mark.parametrize("task_reward", ["real", "consistent", "calls"])
+@pytest.mark.parametrize("malformed_reward", [0.0, -0.5, None])
+def test_malformed_episode_rewards_in_every_mode(task_reward, malformed_reward):
+    """The trained reward (and the logged real one) of an episode with a malformed call, from the
+    engine's episode through assign_rewards: malformed_reward in every mode; None scores it as any
+    other episode. Two answers: right in the real world (real 1, consistent 0) and faithful to the
+    rehearsed world (real 0, consistent 1); both make the required call (calls 1)."""
+    task = _easy("get_balance")
+    aid = task.payload["required_calls"][0]["arguments"]["account_id"]
+    real = task.payload["answer"]["value"]
+    resp = {"account_id": aid, "balance": 1234.56, "currency": "USD"}
+    trajs = {"real_right": _traj(task, resp, f"It is {real:.2f} USD."),
+             "world_right": _traj(task, resp, "The balance is 1234.56 USD.")}
+    scores = {"real_right": {"real": 1.0, "consistent": 0.0, "calls": 1.0},
+              "world_right": {"real": 0.0, "consistent": 1.0, "calls": 1.0}}
+    for name, traj in trajs.items():
+        for malformed in ({"bad_json": 1}, {}):
+            ep = _engine_episode(task, traj, malformed, malformed_reward)
+            eps = assign_rewards([ep], [traj], [task], EASY, task_reward=task_reward,
+                                 malformed_reward=malformed_reward)
+            assert ep.reward == scores[name]["real"]      # the engine's episode: its score, unchanged
+            hit = bool(malformed) and malformed_reward is not None
+            want = malformed_reward if hit else scores[name][task_reward]
+            want_real = malformed_reward if hit else scores[name]["real"]
+            assert (eps[0].reward, eps[0].metadata["reward_real"]) == (want, want_real), (name, malformed)

@@ -257,11 +257,8 @@ def test_compat_shim():
     assert p["properties"]["y"]["type"] == "object"
     assert p["properties"]["y"]["properties"]["z"]["type"] == "array"
     assert p["properties"]["y"]["properties"]["z"]["items"] == {"type": "integer"}
-    assert len(bfcl_compat.multi_turn_func_docs("GorillaFileSystem")) > 10
     with pytest.raises(ValueError, match="category"):
         bfcl_compat.load_entries("nope")
-    with pytest.raises(ValueError, match="class_name"):
-        bfcl_compat.multi_turn_func_docs("Nope")
 
 
 def test_resource_bounds_on_math_api(tasks):

@@ -6,6 +6,7 @@ import pytest
 
 pytest.importorskip("bfcl_eval")
 
+from _bfcl import answer_problems  # noqa: E402
 from fastrehearse.envs import get_suite  # noqa: E402
 from fastrehearse.eval import aggregate, cli  # noqa: E402
 from fastrehearse.eval.harness import HarnessConfig, run_items  # noqa: E402
@@ -13,7 +14,6 @@ from fastrehearse.eval.results import ResultStore  # noqa: E402
 from fastrehearse.eval.runner import EvalSettings, eval_engine  # noqa: E402
 from fastrehearse.rollout.policy import GoldPolicy, ScriptedPolicy  # noqa: E402
 from fastrehearse.rollout.template import assistant_text  # noqa: E402
-from fastrehearse.eval import bfcl_single  # noqa: E402
 from fastrehearse.eval.bfcl_suite import BfclSingleTurnSuite  # noqa: E402
 from fastrehearse.eval.suites import BFCL_MULTI, BFCL_SINGLE  # noqa: E402
 
@@ -126,7 +126,7 @@ def test_tiny_model_bfcl_five_items(tmp_path):
 
 def _single_sample(category, n):
     tasks = BfclSingleTurnSuite().tasks(category, n)
-    return [t for t in tasks if not bfcl_single.answer_problems(t.payload["entry"])]
+    return [t for t in tasks if not answer_problems(t.payload["entry"])]
 
 
 def _run_single(tmp_path, tok, policy, category, tasks):

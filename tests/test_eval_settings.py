@@ -36,8 +36,7 @@ def test_from_rollout_carries_every_engine_field(tok, monkeypatch):
         {"measure_fidelity"}          # the test covers every field the eval does not set itself
     s = EvalSettings.from_rollout(rc, seed=3, fidelity=True, temperature=0.0, mode="real")
     cfg = eval_engine(None, tok, s).config
-    want = dict(TRAIN_ROLLOUT, temperature=0.0, mode="real", malformed_reward=None,
-                measure_fidelity=False)
+    want = dict(TRAIN_ROLLOUT, temperature=0.0, mode="real", measure_fidelity=False)
     assert dataclasses.asdict(cfg) == dataclasses.asdict(RolloutConfig(**want))
     assert (s.seed, s.fidelity, s.max_turns, s.batch_size) == (3, True, 3, 5)
     # the fidelity pass: rehearse mode, measured, everything else the same

@@ -39,9 +39,7 @@ def _params(run):
 def test_nonfinite_update_is_rolled_back_and_counted_then_stops(run):
     """optim.lr=inf used to apply the update: NaN weights, checkpointed as COMPLETE."""
     from _train_dist_worker import episodes
-    from fastrehearse.algo import AdvantageConfig, compute_advantages
     eps = episodes(len(run.tokenizer))
-    compute_advantages(eps, AdvantageConfig())
     run.state.consecutive_skips = run.state.skipped_steps = 0
     policy_update(run, eps, stage="sft")             # healthy step: Adam moments exist
     before = _params(run)

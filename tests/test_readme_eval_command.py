@@ -40,6 +40,8 @@ def test_readme_eval_command_is_the_demo_eval():
     a, b = dataclasses.asdict(cli.rollout), dataclasses.asdict(train.rollout)
     # one batch either way: every eval item decodes together
     assert min(a.pop("max_batch_size"), b.pop("max_batch_size")) >= len(eval_tasks)
-    for k in ("measure_fidelity", "malformed_reward"):   # the evaluation's own: set by eval_engine
+    # measure_fidelity: the evaluation's own (eval_engine); malformed_reward: the trainer's reward
+    # setting (fastrehearse.algo.rewards), which no engine reads
+    for k in ("measure_fidelity", "malformed_reward"):
         a.pop(k), b.pop(k)
     assert a == b

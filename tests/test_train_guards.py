@@ -10,7 +10,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _train_dist_worker import episodes  # noqa: E402
 
-from fastrehearse.algo import AdvantageConfig, compute_advantages  # noqa: E402
 from fastrehearse.train.build import LRSchedule, setup  # noqa: E402
 from fastrehearse.train.errors import TrainingError  # noqa: E402
 from fastrehearse.train.rollouts import rollout  # noqa: E402
@@ -30,7 +29,6 @@ def run(tmp_path_factory):
 
 def test_nonfinite_steps_are_skipped_then_stop(run):
     eps = episodes(len(run.tokenizer))
-    compute_advantages(eps, AdvantageConfig())
     norm = run.hf_model.model.norm.weight
     saved = norm.detach().clone()
     with torch.no_grad():
@@ -140,3 +138,20 @@ def test_prompt_length_warning_goes_to_the_run_log(run):
         assert check_prompt_lengths(cfg, run.suite, tasks, run.tokenizer) == []
     finally:
         cfg.rollout.engine.max_episode_tokens = saved
+
+
+def test_old_and_ref_logp_are_returned_and_the_batches_left_unchanged(run):
+    """The update's old log-probs come back from `old_and_ref_logp`; the packed batches keep the
+    rollout's (what truncated IS compares with). Without rollout log-probs they are one forward
+    of the policy on sampled tokens, 0 elsewhere; no reference without KL."""
+    from fastrehearse.packing import pack
+    from fastrehearse.train.update import compute_logprobs, old_and_ref_logp
+    batches = pack(episodes(len(run.tokenizer)), run.cfg.max_tokens, overlong="truncate_right")
+    given = [b.old_logp.clone() for b in batches]
+    old, ref = old_and_ref_logp(run, batches)
+    assert ref == [None] * len(batches)
+    for b, g in zip(batches, given):
+        assert torch.equal(b.old_logp.isnan(), g.isnan()) and b.old_logp.isnan().all() and b.ref_logp is None
+    for b, o, lp in zip(batches, old, compute_logprobs(run.policy, batches, run.cfg)):
+        sampled = (b.roles == 1) | (b.roles == 2)
+        assert torch.equal(o, torch.where(sampled, lp, torch.zeros_like(lp))) and sampled.any()

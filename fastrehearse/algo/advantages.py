@@ -22,14 +22,10 @@ only with the same role on the same task.
 of a group has no baseline and gets advantage 0 (no learning signal; verl would use the raw reward
 there).
 
-Per-token broadcast: every token of episode i whose own role is r gets A_i^r (Episode.advantages
-is aligned with Episode.input_ids; packing shifts by one to the target). CONTEXT and OBSERVED tokens
-get 0 (OBSERVED is trained by supervised CE, not by advantage).
-
-Turn-level rewards (optional): Episode.metadata["turn_rewards"] = [(start, end, reward), ...] token
-spans [start, end) of one role each. Each span's reward is centred (and optionally std-normalized)
-against all turn rewards of the same (group, role) -- pooled over turns, leave-one-out excluding the
-episode's own spans when enabled -- and added, times `turn_reward_coef`, to the tokens of that span.
+Per-token broadcast: every token of episode i whose own role is r gets A_i^r (one list per
+episode, aligned with Episode.input_ids; packing shifts by one to the target). CONTEXT and OBSERVED
+tokens get 0 (OBSERVED is trained by supervised CE, not by advantage). `compute_advantages` returns
+them and changes no episode; `with_advantages` makes the episodes packing reads.
 
 Hybrid strata: when episodes carry metadata["stratum"] (fastrehearse.algo.rewards tags hybrid
 episodes "real" / "rehearsed"), ACT's g is split by stratum: ACT is compared only with episodes of
@@ -37,7 +33,7 @@ the same task whose calls were executed the same way. Other roles keep the task 
 
 Gating the world model on ACT signal (`gate_rehearse_on_act`; config
 `algo.advantage.gate_rehearse_on_act`): in a task group where ACT has no signal (every ACT stratum's
-rewards equal, or a single member) REHEARSE gets advantage 0 too, turn-level spans included. Why:
+rewards equal, or a single member) REHEARSE gets advantage 0 too. Why:
 with a world-model reward of its own (mode "world") REHEARSE keeps a gradient when the task reward
 pays nothing; through the shared weights that gradient alone moved the learning experiment's
 rehearse arm into malformed calls on seeds whose task reward was 0 everywhere (docs/learning.md).
@@ -49,7 +45,8 @@ this computation is local and needs no communication.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -64,7 +61,6 @@ class AdvantageConfig:
     std_normalize: bool = False         # divide by the group's std + eps (off, as in the paper's code and Dr. GRPO)
     leave_one_out: bool = False         # the RLOO baseline: the mean of the group's other members
     eps: float = 1e-6
-    turn_reward_coef: float = 1.0
     gate_rehearse_on_act: bool = False   # REHEARSE advantage 0 in groups where ACT has no signal
 
 
@@ -114,25 +110,10 @@ def _role_reward(ep: Episode, role: Role) -> float:
     return float(ep.reward)
 
 
-def _turn_spans(ep: Episode) -> list[tuple[int, int, float, int]]:
-    """Validated (start, end, reward, role) spans from metadata["turn_rewards"]."""
-    spans = []
-    for item in ep.metadata.get("turn_rewards", ()) or ():
-        start, end, reward = int(item[0]), int(item[1]), float(item[2])
-        if not 0 <= start < end <= len(ep):
-            raise ValueError(f"Episode(task_id={ep.task_id!r}): turn_rewards span ({start}, {end}) "
-                             f"outside [0, {len(ep)})")
-        span_roles = set(int(r) for r in ep.roles[start:end])
-        if len(span_roles) != 1:
-            raise ValueError(f"Episode(task_id={ep.task_id!r}): turn_rewards span ({start}, {end}) "
-                             f"mixes roles {sorted(span_roles)}; a turn has one role")
-        spans.append((start, end, reward, span_roles.pop()))
-    return spans
-
-
-def compute_advantages(episodes: list[Episode], config: AdvantageConfig | None = None,
-                       roles: tuple[Role, ...] = RL_ROLES) -> AdvantageStats:
-    """Fill `ep.advantages` (one float per token) for every episode, in place; return stats."""
+def compute_advantages(episodes: Sequence[Episode], config: AdvantageConfig | None = None,
+                       roles: tuple[Role, ...] = RL_ROLES) -> tuple[list[list[float]], AdvantageStats]:
+    """The advantage of every token of every episode (one list per episode, aligned with its
+    input_ids) and the step's statistics. The episodes are read, not changed."""
     cfg = config or AdvantageConfig()
     groups: dict[str, list[int]] = defaultdict(list)
     for i, ep in enumerate(episodes):
@@ -152,7 +133,6 @@ def compute_advantages(episodes: list[Episode], config: AdvantageConfig | None =
                          f"ACT's signal first), got {[r.name for r in roles]}")
     for idx in groups.values():
         act_signal = False     # some ACT stratum of this group has unequal rewards
-        rehearse_gated = False
         for role in roles:
             masks = {i: role_t[i] == int(role) for i in idx}
             members = [i for i in idx if bool(masks[i].any())]   # g_r
@@ -161,7 +141,6 @@ def compute_advantages(episodes: list[Episode], config: AdvantageConfig | None =
                 zero_signal[role.name] += 1
                 continue
             gate = cfg.gate_rehearse_on_act and role == Role.REHEARSE and not act_signal
-            rehearse_gated = rehearse_gated or gate
             strata = [members]
             if role == Role.ACT and any("stratum" in episodes[i].metadata for i in members):
                 keys = sorted({str(episodes[i].metadata.get("stratum")) for i in members})
@@ -183,33 +162,18 @@ def compute_advantages(episodes: list[Episode], config: AdvantageConfig | None =
                     per_token[i][masks[i]] = a
                     abs_adv[role.name].append(abs(a))
         stats.act_signal_groups += int(act_signal)
-        _add_turn_advantages(episodes, idx, per_token, cfg,
-                             tuple(r for r in roles if not (rehearse_gated and r == Role.REHEARSE)))
 
-    for i, ep in enumerate(episodes):
-        ep.advantages = per_token[i].tolist()
     for role in roles:
         n = max(n_groups[role.name], 1)
         stats.zero_std_frac[role.name] = zero_std[role.name] / n
         stats.zero_signal_frac[role.name] = zero_signal[role.name] / n
         stats.mean_reward[role.name] = sum(all_r[role.name]) / max(len(all_r[role.name]), 1)
         stats.mean_abs_adv[role.name] = sum(abs_adv[role.name]) / max(len(abs_adv[role.name]), 1)
-    return stats
+    return [a.tolist() for a in per_token], stats
 
 
-def _add_turn_advantages(episodes, idx, per_token, cfg: AdvantageConfig, roles) -> None:
-    spans = {i: _turn_spans(episodes[i]) for i in idx}
-    for role in roles:
-        pool = [(i, s) for i in idx for s in spans[i] if s[3] == int(role)]
-        if len(pool) <= 1:
-            continue
-        r = torch.tensor([s[2] for _, s in pool], dtype=torch.float64)
-        owners = torch.tensor([i for i, _ in pool])
-        for k, (i, (start, end, reward, _)) in enumerate(pool):
-            others = r[owners != i] if cfg.leave_one_out else r
-            if others.numel() == 0:
-                continue
-            a = reward - others.mean().item()
-            if cfg.std_normalize:
-                a = a / (r.std().item() + cfg.eps)
-            per_token[i][start:end] += cfg.turn_reward_coef * a
+def with_advantages(episodes: Sequence[Episode], advantages: Sequence[Sequence[float]]) -> list[Episode]:
+    """New episodes carrying `advantages` (compute_advantages' first result), what packing reads."""
+    if len(episodes) != len(advantages):
+        raise ValueError(f"{len(advantages)} advantage lists for {len(episodes)} episodes")
+    return [replace(ep, advantages=list(a)) for ep, a in zip(episodes, advantages)]

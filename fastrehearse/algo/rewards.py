@@ -1,6 +1,7 @@
 """Training rewards per role: the task reward (ACT) in three modes and the world-model reward
 (REHEARSE), plus the hybrid ACT strata. Pure functions over episodes and trajectories; the trainer
-calls `assign_rewards` once per rollout batch, before the advantages (docs/training.md "Rewards").
+calls `assign_rewards` once per rollout batch, before the advantages (docs/training.md "Rewards");
+it returns new episodes and changes none it is given.
 
 Task reward (config `env.reward`), what ACT is trained on:
   real        `env.score` as the engine computed it: the answer checked against the real world's
@@ -11,8 +12,9 @@ Task reward (config `env.reward`), what ACT is trained on:
               values the episode's responses (rehearsed or real) hold, required calls against the
               task's gold calls, nothing executed.
   calls       the calls (and final state) only, no answer check.
-A malformed call scores `rollout.malformed_reward` in every mode, as the engine does.
-The engine's own score is kept in `metadata["reward_real"]`, so a run logs both.
+An episode with a malformed call scores `rollout.malformed_reward` in every mode (None: scored as
+any other). The engine reports the score and the malformed calls; this module alone decides the
+reward from them. What `real` would give is kept in `metadata["reward_real"]`, so a run logs both.
 
 World-model reward (config `algo.world_reward`), what REHEARSE is trained on when mode="world":
 per rehearsed response to a call (name, arguments),
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal, Sequence
 
 from fastrehearse.data import Episode
@@ -176,47 +178,51 @@ def stratum_of(call_log: Sequence[dict]) -> str:
 def assign_rewards(episodes: Sequence[Episode], trajectories: Sequence[Trajectory], tasks: Sequence[Task],
                    suite: Suite, *, task_reward: str = "real", world: WorldRewardConfig | None = None,
                    rollout_mode: str = "rehearse", malformed_reward: float | None = 0.0,
-                   hybrid_baseline: str = "strata") -> None:
-    """Set each episode's training rewards in place (module docstring). `episodes[i]` and
-    `trajectories[i]` are one engine row (RolloutResult order); metadata["group"] indexes `tasks`.
+                   hybrid_baseline: str = "strata") -> list[Episode]:
+    """The episodes with their training rewards (module docstring), as new episodes: the engine's
+    are not changed. `episodes[i]` and `trajectories[i]` are one engine row (RolloutResult order,
+    reward = the engine's score); metadata["group"] indexes `tasks`.
 
-    Writes: ep.reward (task_reward != "real"), metadata["reward_real"] (the engine's score),
-    role_rewards[REHEARSE] and metadata["world_reward"] (world mode, episodes that rehearsed),
-    metadata["stratum"] (hybrid with strata)."""
+    Sets: reward (what ACT trains on), metadata["reward_real"] (what env.reward=real would train
+    on), role_rewards[REHEARSE] and metadata["world_reward"] (world mode, episodes that rehearsed),
+    metadata["stratum"] (hybrid with strata). An episode with metadata["error"] is returned as it
+    came: it could not run or be scored, so it has no reward to decide."""
     world = world or WorldRewardConfig()
     check_task_reward(suite, task_reward)
     if hybrid_baseline not in HYBRID_BASELINES:
         raise ValueError(f"hybrid_baseline must be one of {list(HYBRID_BASELINES)}, got {hybrid_baseline!r}")
     if len(episodes) != len(trajectories):
         raise ValueError(f"{len(episodes)} episodes but {len(trajectories)} trajectories")
+    out = []
     for ep, traj in zip(episodes, trajectories):
         meta = ep.metadata
-        if "error" in meta:          # could not run or be scored: not a result, leave it alone
+        if "error" in meta:
+            out.append(ep)
             continue
-        meta["reward_real"] = float(ep.reward)
         malformed = bool(meta.get("malformed")) and malformed_reward is not None
+        real = float(malformed_reward) if malformed else float(ep.reward)
+        reward = real
         if task_reward != "real" and not malformed:
-            ep.reward = float(suite.task_reward(tasks[meta["group"]], traj, task_reward))
+            reward = float(suite.task_reward(tasks[meta["group"]], traj, task_reward))
+        meta = {**meta, "reward_real": real}
+        role_rewards = dict(ep.role_rewards)
         if world.mode == "world" and int(Role.REHEARSE) in ep.roles:
             cut = sum(1 for c in meta.get("calls", ()) if c.get("mode") == "rehearse" and c.get("truncated"))
             scores = score_rehearsals(exchanges_of(traj.messages), meta.get("fidelity") or [], cut,
                                       suite.response_spec, world)
             r = sum(s.reward for s in scores) / len(scores) if scores else 0.0
-            ep.role_rewards[int(Role.REHEARSE)] = r
+            role_rewards[int(Role.REHEARSE)] = r
             meta["world_reward"] = {"reward": r, "n": len(scores),
                                     "format": _mean([s.format for s in scores]),
                                     "grounded": _mean([s.grounded for s in scores if s.grounded is not None])}
         if rollout_mode == "hybrid" and hybrid_baseline == "strata":
             meta["stratum"] = stratum_of(meta.get("calls", ()))
+        out.append(replace(ep, reward=reward, role_rewards=role_rewards, metadata=meta))
+    return out
 
 
 def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
-
-
-# The metadata keys the advantages and `reward_row` read; the trainer keeps them when it slims
-# episodes for the all-gather.
-KEPT_METADATA = ("reward_real", "world_reward", "stratum")
 
 
 def reward_row(episodes: Sequence[Episode]) -> dict:

@@ -87,8 +87,8 @@ def sequence_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, seq_ids
 
 def apply_tis(batches, rollout_logp: list[torch.Tensor], cap: float | None, sequence: str | None = None,
               sequence_cap: float = 2.0) -> tuple[list[torch.Tensor], dict[str, float]]:
-    """The trainer's step (train/update.py): `rollout_logp[i]` = batch i's old_logp as packed (the
-    backend's sampled log-probs, kept before the trainer overwrites old_logp with its own).
+    """The trainer's step (train/update.py): `batches` carry the trainer's old_logp,
+    `rollout_logp[i]` = batch i's old_logp as packed (the backend's sampled log-probs).
     Returns each batch's `pg_weights` for the fused loss -- the token cap's weights (`cap`; None:
     1) times the sequence-level factors (`sequence`: truncate | mask | None) -- and this rank's
     ratio statistics (token-weighted over batches)."""

@@ -144,16 +144,6 @@ def load_answers(category: str) -> dict[str, dict]:
     return copy.deepcopy(_load_answers_cached(category))
 
 
-def multi_turn_func_docs(class_name: str) -> list[dict]:
-    """BFCL's function docs for one multi-turn API class (e.g. 'GorillaFileSystem')."""
-    bfcl = import_bfcl()
-    mapping = bfcl.backend_config.MULTI_TURN_FUNC_DOC_FILE_MAPPING
-    if class_name not in mapping:
-        raise ValueError(f"class_name: unknown BFCL class {class_name!r}; known: {sorted(mapping)}")
-    from bfcl_eval.constants.eval_config import MULTI_TURN_FUNC_DOC_PATH
-    return bfcl.utils.load_file(MULTI_TURN_FUNC_DOC_PATH / mapping[class_name])
-
-
 def _fill_descriptions(props: dict) -> None:
     # BFCL's converter appends to "description" of float parameters; docs outside BFCL may lack one.
     for p in props.values():

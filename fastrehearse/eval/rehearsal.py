@@ -104,7 +104,7 @@ class RehearsalPolicy:
         def engine(temp: float, turns: int, new_tokens: int, writes: bool = True) -> RolloutEngine:
             e = RolloutEngine(model, tokenizer, RolloutConfig(
                 mode="rehearse", temperature=temp, max_new_tokens=new_tokens, max_turns=turns,
-                max_episode_tokens=ctx, malformed_reward=None, backend=backend))
+                max_episode_tokens=ctx, backend=backend))
             if self.prefix_cache is not None:
                 e.backend_factory = self.backend_factory(e, writes=writes)
             return e

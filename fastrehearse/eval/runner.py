@@ -35,7 +35,7 @@ _ENGINE_FIELDS = {f.name for f in fields(RolloutConfig)}
 @dataclass(init=False)
 class EvalSettings:
     """rollout: the engine's settings for the scored pass (its `mode` says how calls run there;
-    `malformed_reward` and `measure_fidelity` are the evaluation's own, set by `eval_engine`);
+    `measure_fidelity` is the evaluation's own, set by `eval_engine`);
     fit_context: episodes may use the model's whole context (rollout.max_episode_tokens is then
     ignored); seed; fidelity: a second, rehearse-mode pass for world-model fidelity."""
     rollout: RolloutConfig
@@ -96,14 +96,13 @@ def context_length(model) -> int:
 def eval_engine(model, tokenizer, s: EvalSettings, *, mode: str | None = None, measure_fidelity: bool = False,
                 policy=None):
     """The rollout engine an evaluation runs on: `s.rollout`, with the evaluation's own rules. An
-    episode's score is the benchmark's own (`malformed_reward=None`: a malformed call is fed back
-    as an error and graded by the checker, never overridden). With a test-time rehearsal `policy`
+    episode's score is the benchmark's own (the engine reports `env.score`: a malformed call is fed
+    back as an error and graded by the checker). With a test-time rehearsal `policy`
     that keeps a prefix cache, the engine reads it (an item's first prefill is the context its
     first rehearsal already stored)."""
     from fastrehearse.rollout.engine import RolloutEngine
 
     cfg = replace(s.rollout, mode=mode or s.rollout.mode, measure_fidelity=measure_fidelity,
-                  malformed_reward=None,
                   max_episode_tokens=(context_length(model) if s.fit_context
                                       else s.rollout.max_episode_tokens))
     engine = RolloutEngine(model, tokenizer, cfg)

@@ -46,6 +46,7 @@ from fastrehearse.algo.rewards import echo_equal
 from fastrehearse.envs.base import Suite, Task
 from fastrehearse.envs.replay import exchanges_of, tool_calls_of
 from fastrehearse.kernels.roles import Role
+from fastrehearse.rollout.gold import gold_replies, render_gold
 
 
 # ---- teacher-forced log-probs -----------------------------------------------------------------
@@ -81,20 +82,15 @@ def _render_gold(tmpl, suite: Suite, task: Task) -> tuple[list[int], list, list,
     prompt's tools, and the answer's value tokens (`value_span`)."""
     if not task.gold or task.gold[-1].get("role") != "assistant" or task.gold[-1].get("tool_calls"):
         raise ValueError(f"task {task.id!r}: its gold trajectory does not end with a final answer")
-    env = suite.make_env()
-    try:
-        reset = env.reset(task)
-    finally:
-        env.close()
-    msgs = list(reset.messages) + list(task.gold)
-    r = tmpl.render(msgs, reset.tools, tool_roles=Role.OBSERVED)
-    answer = [(s, e) for s, e, role, mi in r.spans if mi == len(msgs) - 1 and role == int(Role.ACT)]
+    g = render_gold(tmpl, suite, task)
+    r = g.rendered
+    answer = [(s, e) for s, e, role, mi in r.spans if mi == len(g.messages) - 1 and role == int(Role.ACT)]
     responses = [(s, e) for s, e, role, mi in r.spans if role == int(Role.OBSERVED)]
     if not answer:
         raise ValueError(f"task {task.id!r}: the rendered gold has no final-answer tokens")
     value = value_span(tmpl.tokenizer, r.input_ids, answer[-1], task.payload.get("answer")
                        if isinstance(task.payload, dict) else None)
-    return r.input_ids, answer, responses, tuple(json.dumps(t, sort_keys=True) for t in reset.tools), value
+    return r.input_ids, answer, responses, tuple(json.dumps(t, sort_keys=True) for t in g.tools), value
 
 
 def gold_logprobs(model, tokenizer, suite: Suite, tasks: Sequence[Task], *, template=None,
@@ -220,7 +216,7 @@ def rehearsal_fidelity(model, tokenizer, suite: Suite, tasks: Sequence[Task], *,
     res = eng.rollout(list(tasks), suite, group_size=1, seed=0, policy=GoldPolicy())
     rows = []
     for task, ep, traj in zip(tasks, res.episodes, res.trajectories):
-        calls = tool_calls_of([m for m in task.gold if m.get("role") == "assistant"][:1])
+        calls = tool_calls_of(gold_replies(task)[:1])
         env = suite.make_env()
         try:
             env.reset(task)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastrehearse.dtensor import full_tensor
 from fastrehearse.kernels import linear_logprobs
 
 SUPPORTED_OUTPUTS = ("log_probs", "entropy")
@@ -88,12 +89,6 @@ def _head_spec():
     # must import without it (the kernels-only install imports the integrations)
     from fastrehearse.model import lm_head
     return lm_head
-
-
-def full_tensor(t):
-    """FSDP2 shards parameters as DTensors; the kernels need the whole head."""
-    full = getattr(t, "full_tensor", None)
-    return t if full is None else full()
 
 
 def head_kwargs(tr: HeadTransform, head) -> dict:

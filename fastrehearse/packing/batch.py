@@ -20,10 +20,11 @@ class PackedBatch:
     targets: torch.Tensor        # [T] int64: next token within the same episode (0 at ends)
     roles: torch.Tensor          # [T] int64: role of the target token (CONTEXT at episode ends)
     advantages: torch.Tensor     # [T] float32 (0 where not loss-bearing)
-    old_logp: torch.Tensor       # [T] float32 rollout log-prob of the target (NaN if unknown)
+    old_logp: torch.Tensor       # [T] float32 rollout log-prob of the target (NaN if unknown);
+                                 # the trainer's update runs on a copy holding its own
     seq_ids: torch.Tensor        # [T] int64: index of the episode in the list given to pack()
     episode_indices: list[int]   # the episodes of this batch, in row order
-    ref_logp: torch.Tensor | None = None  # [T] float32, filled by the trainer when KL is on
+    ref_logp: torch.Tensor | None = None  # [T] float32, the reference's when KL is on (on the trainer's copy)
 
     @property
     def num_tokens(self) -> int:

@@ -10,9 +10,10 @@ from fastrehearse.rollout.row import Row
 
 
 def build_episode(row: Row) -> Episode:
-    """The row's tokens, roles and rollout log-probs, its reward (env.score; malformed_reward when a
-    call was malformed) and its record. An episode that could not run or be scored carries
-    metadata["error"]: its reward is not a result."""
+    """The row's tokens, roles and rollout log-probs, its score (`env.score`, whatever the calls
+    were: metadata["malformed"] counts the malformed ones, and the training reward is decided from
+    both by fastrehearse.algo.rewards.assign_rewards) and its record. An episode that could not run
+    or be scored carries metadata["error"]: its reward is not a result."""
     task, env = row.p.task, row.env
     reward = 0.0
     error = row.error
@@ -22,8 +23,6 @@ def build_episode(row: Row) -> Episode:
         except Exception as e:  # a scoring bug is an outcome, not a crash of the whole batch
             error = f"score: {type(e).__name__}: {e}"
             reward = 0.0
-    if row.malformed and row.cfg.malformed_reward is not None:
-        reward = float(row.cfg.malformed_reward)
     meta = {"stop_reason": row.stop_reason, "turns": row.turns, "user_turns": row.user_turns,
             "cut_turns": row.cut_turns,
             "calls": row.call_log, "malformed": dict(row.malformed), "seed": row.p.seed,

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 from fastrehearse.envs.base import Task
+from fastrehearse.rollout.gold import gold_replies
 from fastrehearse.rollout.template import assistant_text
 
 
@@ -62,16 +63,17 @@ class ModelPolicy:
 
 
 class GoldPolicy:
-    """Replays `task.gold`: agent turn k is the k-th gold assistant message (tool responses and
-    user turns come from the environment, never from the record). After the last one the turn is
-    an empty reply. A task without gold raises ValueError naming it."""
+    """Replays `task.gold`: agent turn k is the k-th gold assistant message (`gold_replies`; tool
+    responses and user turns come from the environment, never from the record). After the last
+    one the turn is an empty reply. A task without gold raises ValueError naming it."""
 
     def begin_turns(self, requests: list[TurnRequest]) -> list[Turn | None]:
         out = []
         for r in requests:
-            if r.task is None or r.task.gold is None:
-                raise ValueError(f"GoldPolicy: task {getattr(r.task, 'id', None)!r} has no gold trajectory")
-            gold = [m for m in r.task.gold if m.get("role") == "assistant"]
+            try:
+                gold = gold_replies(r.task)
+            except ValueError as e:
+                raise ValueError(f"GoldPolicy: {e}") from None
             out.append(Turn(text=assistant_text(gold[r.turn]) if r.turn < len(gold) else ""))
         return out
 

@@ -63,6 +63,7 @@ from pathlib import Path
 
 import torch
 
+from fastrehearse.dtensor import full_tensor
 from fastrehearse.model.loader import head_dim
 from fastrehearse.rollout.segments import Sampling, Segment, SegmentRequest, StopMatcher
 from fastrehearse.rollout.vllm_options import VLLMOptions
@@ -117,7 +118,7 @@ def serving_weights(model, dtype: torch.dtype, tied: bool) -> Iterator[tuple[str
     end), so the peak is one whole tensor, never a second model. `tied`: the input embedding is
     also yielded as `lm_head.weight` (see the module docstring)."""
     for name, p in model.named_parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        full = full_tensor(p)
         full = full.detach().to(dtype)
         name = name.replace("_checkpoint_wrapped_module.", "")
         yield name, full

@@ -33,6 +33,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
+from fastrehearse.dtensor import local_shard
+
 from .errors import DiskFullError, TrainingError, is_disk_full
 from .parallelize import DistInfo, all_gather_object, barrier, broadcast_object
 
@@ -89,15 +91,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def nonfinite_keys(state_dict: dict, limit: int = 3) -> list[str]:
     """Names of (this rank's shards of) floating tensors holding NaN or inf."""
     bad = []
     for k, v in state_dict.items():
-        if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(_local(v)).all()):
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(local_shard(v)).all()):
             bad.append(k)
             if len(bad) >= limit:
                 break

@@ -218,9 +218,7 @@ RENAMED_KEYS: dict[str, tuple[str, dict | None]] = {
 }
 
 _TURN_REWARDS = ("it scaled Episode.metadata['turn_rewards'], which no environment the trainer runs "
-                 "produces (and episodes lose their metadata before advantages), so it never changed a "
-                 "run; turn-level rewards remain in fastrehearse.algo.compute_advantages "
-                 "(AdvantageConfig.turn_reward_coef) for episodes you build yourself")
+                 "produces, so it never changed a run; turn-level rewards were deleted with it")
 # Keys that existed and did nothing: a config that sets one to its old default (e.g. a run_dir's
 # config.yaml reused) loads unchanged -- the key never affected a run; any other value is refused,
 # saying why, rather than silently ignored. A component field listed here is no trainer key.

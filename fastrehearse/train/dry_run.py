@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from fastrehearse.dtensor import local_shard
 from fastrehearse.kernels import FUSED_WORKSPACE_BYTES_CUDA
 from fastrehearse.model import RehearsalModel, base_model
 from fastrehearse.model.loader import (EMBEDDED_SPECS, head_dim, load_model, load_tokenizer,
@@ -291,7 +292,7 @@ def plan(cfg: TrainConfig, world: int, gpu_memory_gib: float = DEFAULT_BUDGET_GI
         policy = parallelize(policy, info, precision=cfg.model.precision,
                              activation_checkpointing=cfg.model.activation_checkpointing)
         # what FSDP2 built on this rank (rank 0 holds the largest padded shard of every parameter)
-        shard = sum(p.to_local().numel() for p in policy.parameters())
+        shard = sum(local_shard(p).numel() for p in policy.parameters())
         assert shard == sum(_padded_shard(tuple(p.shape), world) for p in policy.parameters())
         layers = decoder_layers(policy)
         layer_params = sum(p.numel() for p in layers[0].parameters())

@@ -3,11 +3,13 @@
 One RL step:
   1. rollout   each rank rolls out its share of the step's tasks (group_size samples per task) with
                the rollout mode from the config (rehearse / real / hybrid); failures are counted
-  2. gather    every rank gets every episode (small: token ids, roles, log-probs, rewards)
-  3. advantages  role-wise GRPO per (task group, role) -- identical on every rank
+  2. gather    every rank gets every episode (token ids, roles, log-probs, rewards, the engine's
+               small record)
+  3. advantages  role-wise GRPO per (task group, role) -- identical on every rank; returned, the
+               episodes are not changed
   4. pack      token-budget rows, the same number of micro-batches on every rank
   5. old log-probs  the rollout's when strictly on-policy (one update per batch), else recomputed;
-               reference log-probs when the KL term is on
+               reference log-probs when the KL term is on (returned, set on new micro-batches)
   6. update    fused policy loss per micro-batch, each role divided by its GLOBAL token count, so
                gradients summed over micro-batches and ranks (FSDP2 SUM reduction) are the full-batch
                gradient at any world size; AdamW, warm-up + cosine, grad-norm clipping; a non-finite
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastrehearse.algo import compute_advantages
+from fastrehearse.algo import compute_advantages, with_advantages
 from fastrehearse.data import Episode
 from fastrehearse.rollout.vllm_backend import close_shared
 
@@ -51,7 +53,6 @@ from .rollouts import (
     release_rollout_memory,
     rollout,
     rollout_row,
-    slim_episode,
     start_rollout_backend,
     sync_generation_weights,
     weight_sync_route,
@@ -207,7 +208,7 @@ def step_rollouts(run: Run) -> tuple[list[Episode], dict]:
                                                group_size=cfg.rollout.group_size,
                                                measure_fidelity=cfg.rollout.engine.measure_fidelity)
         rollout_s = time.perf_counter() - t0
-        gathered = all_gather_object(([slim_episode(e) for e in episodes], rmetrics, n_failed), info)
+        gathered = all_gather_object((episodes, rmetrics, n_failed), info)
     episodes = [e for eps, _, _ in gathered for e in eps]
     n_failed = sum(f for _, _, f in gathered)
     st.rollout_failures += n_failed
@@ -225,15 +226,15 @@ def rl_step(run: Run) -> dict:
         return skip_step(run, row, reason=f"only {len(episodes)} episodes for {info.world_size} ranks "
                                       f"({n_failed} rollout failures)")
     # 3. role-wise GRPO advantages (groups = task ids)
-    adv = compute_advantages(episodes, cfg.algo.advantage)
+    advantages, stats = compute_advantages(episodes, cfg.algo.advantage)
     # Groups (or hybrid strata) whose ACT advantages are all 0 -- equal rewards, or one episode --
     # carry no signal; the same for the world model's REHEARSE.
-    row["zero_signal_groups"] = adv.zero_signal_frac.get("ACT", 0.0)
-    row["zero_signal_groups_rehearse"] = adv.zero_signal_frac.get("REHEARSE", 0.0)
+    row["zero_signal_groups"] = stats.zero_signal_frac.get("ACT", 0.0)
+    row["zero_signal_groups_rehearse"] = stats.zero_signal_frac.get("REHEARSE", 0.0)
     # 4-6. pack, old/ref log-probs, update; the rollout engine's memory is the update's meanwhile
     release_rollout_memory(run)
     with phase("update"):
-        row.update(policy_update(run, episodes, stage="rl"))
+        row.update(policy_update(run, with_advantages(episodes, advantages), stage="rl"))
         row.update(sync_generation_weights(run))
     return row
 

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoModelForCausalLM
 
+from fastrehearse.dtensor import local_shard
 from fastrehearse.model import RehearsalModel
 from fastrehearse.model.adapter import check_lm_head
 from fastrehearse.model.attention import ATTN_IMPL, register
@@ -108,7 +109,7 @@ def build_reference(cfg: TrainConfig, info: DistInfo, policy: nn.Module, hf_mode
     with torch.no_grad():
         src = dict(policy.named_parameters())
         for name, p in ref.named_parameters():
-            _local(p).copy_(_local(src[name]))
+            local_shard(p).copy_(local_shard(src[name]))
     return ref.requires_grad_(False)
 
 
@@ -176,10 +177,6 @@ def materialize(module: nn.Module, device: torch.device) -> None:
                 b.copy_(saved[n])
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 @torch.no_grad()
 def load_local_rows(module: nn.Module, prefix: str, files: list[Path]) -> None:
     """Fill this rank's shard of every parameter (and persistent buffer) of `module` from the
@@ -204,7 +201,7 @@ def load_local_rows(module: nn.Module, prefix: str, files: list[Path]) -> None:
             if where[key] not in handles:
                 handles[where[key]] = safe_open(str(where[key]), framework="pt")
             sl = handles[where[key]].get_slice(key)
-            local = _local(t)
+            local = local_shard(t)
             if isinstance(t, DTensor):
                 shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
             else:

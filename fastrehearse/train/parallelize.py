@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastrehearse.dtensor import full_tensor
+
 from . import failures
 
 
@@ -358,5 +360,5 @@ def iter_full_params(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     model (collective: every rank must iterate to the end). Names are as in `module`, with the
     activation-checkpointing wrapper's segment removed."""
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        full = full_tensor(t)
         yield name.replace("_checkpoint_wrapped_module.", ""), full.detach()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from fastrehearse.algo.rewards import KEPT_METADATA, assign_rewards, reward_row
+from fastrehearse.algo.rewards import assign_rewards, reward_row
 from fastrehearse.data import Episode
 from fastrehearse.eval.runner import EvalSettings, MemoryStore, evaluate_items
 from fastrehearse.rollout.engine import RolloutEngine
@@ -38,8 +38,8 @@ def rollout(run: Run, tasks, *, mode: str, temperature: float, seed: int, group_
         run.logger.write(f"rollout failed on a batch of {len(tasks)} tasks ({type(e).__name__}: {e}); "
                          f"retrying one task at a time")
     else:
-        _rewards(run, res, tasks, mode)    # outside the retry: a reward bug is not an engine failure
-        episodes, errors = _without_errors(run, res.episodes)
+        # outside the retry: a reward bug is not an engine failure
+        episodes, errors = _without_errors(run, _rewards(run, res, tasks, mode))
         return episodes, res.metrics, errors
     episodes, parts, failures = [], [], 0
     for i, t in enumerate(tasks):
@@ -51,8 +51,7 @@ def rollout(run: Run, tasks, *, mode: str, temperature: float, seed: int, group_
             failures += 1
             run.logger.write(f"rollout failed for task {t.id}: {type(e).__name__}: {e}")
             continue
-        _rewards(run, res, [t], mode)
-        kept, errors = _without_errors(run, res.episodes)
+        kept, errors = _without_errors(run, _rewards(run, res, [t], mode))
         episodes += kept
         failures += errors
         parts.append(res.metrics)
@@ -86,13 +85,13 @@ def merge_metrics(parts: list[dict]) -> dict:
     return out
 
 
-def _rewards(run: Run, res, tasks, mode: str) -> None:
-    """The training rewards per role (fastrehearse.algo.rewards: env.reward, algo.world_reward,
-    algo.hybrid_baseline); the engine's score stays in metadata["reward_real"]."""
+def _rewards(run: Run, res, tasks, mode: str) -> list[Episode]:
+    """The engine's episodes with their training rewards per role (fastrehearse.algo.rewards:
+    env.reward, rollout.malformed_reward, algo.world_reward, algo.hybrid_baseline)."""
     c = run.cfg
-    assign_rewards(res.episodes, res.trajectories, tasks, run.suite, task_reward=c.env.reward,
-                   world=c.algo.world_reward, rollout_mode=mode,
-                   malformed_reward=c.rollout.engine.malformed_reward, hybrid_baseline=c.algo.hybrid_baseline)
+    return assign_rewards(res.episodes, res.trajectories, tasks, run.suite, task_reward=c.env.reward,
+                          world=c.algo.world_reward, rollout_mode=mode,
+                          malformed_reward=c.rollout.engine.malformed_reward, hybrid_baseline=c.algo.hybrid_baseline)
 
 
 def evaluate(run: Run, *, tag: str) -> dict:
@@ -190,14 +189,6 @@ def sync_generation_weights(run: Run) -> dict:
     row["weight_sync_s"] = round(time.perf_counter() - t0, 3)
     return row
 
-
-
-def slim_episode(ep: Episode) -> Episode:
-    """Drop heavy metadata (trajectories) before sending episodes to other ranks."""
-    keep = {k: ep.metadata[k] for k in ("group", "sample", "stop_reason", "turns", "malformed", "fidelity",
-                                        *KEPT_METADATA) if k in ep.metadata}
-    return Episode(input_ids=ep.input_ids, roles=ep.roles, task_id=ep.task_id, reward=ep.reward,
-                   rollout_logprobs=ep.rollout_logprobs, role_rewards=dict(ep.role_rewards), metadata=keep)
 
 
 def rollout_row(episodes: list[Episode], metrics: list[dict], rollout_s: float) -> dict:

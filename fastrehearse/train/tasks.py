@@ -7,6 +7,7 @@ import torch
 from fastrehearse.data import Episode
 from fastrehearse.envs import get_suite
 from fastrehearse.kernels.roles import Role
+from fastrehearse.rollout.gold import render_gold
 from fastrehearse.rollout.template import ChatTemplate
 
 from .config import ConfigError, TrainConfig
@@ -71,16 +72,12 @@ def check_prompt_lengths(cfg: TrainConfig, suite, tasks: list, tokenizer, sample
 
 
 def gold_episode(run: Run, task) -> Episode:
-    """A gold trajectory rendered as role-tagged tokens (tool responses OBSERVED)."""
+    """A gold trajectory rendered as role-tagged tokens (tool responses OBSERVED; each turn's end
+    marker trained with its turn)."""
     if run.template is None:
         run.template = ChatTemplate(run.tokenizer)
     tmpl = run.template
-    env = run.suite.make_env()
-    try:
-        reset = env.reset(task)
-    finally:
-        env.close()
-    r = tmpl.render(list(reset.messages) + list(task.gold), reset.tools, tool_roles=Role.OBSERVED)
+    r = render_gold(tmpl, run.suite, task).rendered
     roles = _tag_turn_ends(tmpl, r)
     n = run.cfg.rollout.engine.max_episode_tokens
     return Episode(input_ids=r.input_ids[:n], roles=roles[:n], task_id=task.id, reward=1.0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -14,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from fastrehearse.algo import local_counts, token_weights
 from fastrehearse.algo.tis import apply_tis
 from fastrehearse.data import Episode
+from fastrehearse.dtensor import full_tensor, local_shard
 from fastrehearse.kernels import linear_logprobs
 from fastrehearse.kernels.roles import Role
 from fastrehearse.packing import pack
@@ -40,18 +42,16 @@ def policy_update(run: Run, episodes: list[Episode], *, stage: str) -> dict:
                                 norm_len=cfg.algo.norm_len or cfg.rollout.engine.max_episode_tokens)
     tis_row, pg_weights = {}, None
     if stage == "rl":
-        # The rollout backend's own log-probs of its samples (NaN where it sampled nothing), kept
-        # for truncated IS before old_logp becomes the trainer's (fastrehearse.algo.tis).
-        a = cfg.algo
-        tis = cfg.rollout.engine.backend == "vllm" and (a.tis_cap is not None or a.tis_sequence is not None)
-        rollout_lp = [b.old_logp.clone() for b in batches] if tis else None
-        _fill_old_and_ref_logp(run, batches)
-        bad = sum(int((~torch.isfinite(b.old_logp)).sum()) for b in batches)
-        if run.ref is not None:
-            bad += sum(int((~torch.isfinite(b.ref_logp)).sum()) for b in batches)
+        old, ref = old_and_ref_logp(run, batches)
+        bad = sum(int((~torch.isfinite(t)).sum()) for t in old + [r for r in ref if r is not None])
         if any_rank(bad > 0, info):
             return skip_step(run, {"train_tokens": n_tokens}, reason=f"{bad} non-finite old/reference log-probs")
-        if tis:
+        # The packed batches keep the rollout backend's own log-probs of its samples (NaN where it
+        # sampled nothing), what truncated IS compares the trainer's with (fastrehearse.algo.tis).
+        rollout_lp = [b.old_logp for b in batches]
+        batches = [replace(b, old_logp=o, ref_logp=r) for b, o, r in zip(batches, old, ref)]
+        a = cfg.algo
+        if cfg.rollout.engine.backend == "vllm" and (a.tis_cap is not None or a.tis_sequence is not None):
             pg_weights, st = apply_tis(batches, rollout_lp, a.tis_cap, a.tis_sequence, a.tis_sequence_cap)
             tis_row = _tis_over_ranks(st, info)
 
@@ -116,7 +116,7 @@ def _one_update(run: Run, batches, counts, weights, stage: str, pg_weights=None)
     snap = _snapshot(run) if cfg.optim.rollback_nonfinite else None
     try:
         run.optimizer.step()
-        bad = sum(int(not bool(torch.isfinite(_local(p)).all())) for p in run.policy.parameters())
+        bad = sum(int(not bool(torch.isfinite(local_shard(p)).all())) for p in run.policy.parameters())
     except RuntimeError as e:   # AdamW's step size beyond float32 ("... without overflow")
         if "overflow" not in str(e):
             raise
@@ -132,19 +132,14 @@ def _one_update(run: Run, batches, counts, weights, stage: str, pg_weights=None)
     return row
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _snapshot(run: Run):
     """Copies of this rank's parameter shards and optimizer state, to undo one optimizer step."""
     params = [p for g in run.optimizer.param_groups for p in g["params"]]
     saved = []
     for p in params:
         st = run.optimizer.state.get(p)
-        saved.append((_local(p).clone(),
-                      None if st is None else {k: (_local(v).clone() if torch.is_tensor(v) else copy.deepcopy(v))
+        saved.append((local_shard(p).clone(),
+                      None if st is None else {k: (local_shard(v).clone() if torch.is_tensor(v) else copy.deepcopy(v))
                                                for k, v in st.items()}))
     return params, saved
 
@@ -153,14 +148,14 @@ def _snapshot(run: Run):
 def _restore(run: Run, snap) -> None:
     params, saved = snap
     for p, (value, st) in zip(params, saved):
-        _local(p).copy_(value)
+        local_shard(p).copy_(value)
         if st is None:
             run.optimizer.state.pop(p, None)
             continue
         cur = run.optimizer.state[p]
         for k, v in st.items():
             if torch.is_tensor(v) and torch.is_tensor(cur.get(k)):
-                _local(cur[k]).copy_(v)
+                local_shard(cur[k]).copy_(v)
             else:
                 cur[k] = v
 
@@ -179,31 +174,29 @@ def skip_step(run: Run, row: dict, reason: str) -> dict:
 
 
 
-def _fill_old_and_ref_logp(run: Run, batches) -> None:
-    """old_logp: the rollout's own log-probs when strictly on-policy (one update per batch, the HF
-    backend, every sampled token has one), else one no-grad forward of the current policy. ref_logp
-    when KL is on.
-    Tokens that were not sampled (OBSERVED, CONTEXT) have no behaviour log-prob (NaN from the
-    rollout); they use no ratio, so they get 0."""
+def old_and_ref_logp(run: Run, batches) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """Per micro-batch, the old log-probs of the ratio and the reference's (None without KL); the
+    batches are not changed.
+    old: the rollout's own log-probs when strictly on-policy (one update per batch, the HF backend,
+    every sampled token has one), else one no-grad forward of the current policy. Tokens that were
+    not sampled (OBSERVED, CONTEXT) have no behaviour log-prob (NaN from the rollout); they use no
+    ratio, so they get 0."""
     cfg = run.cfg
-    for b in batches:
-        sampled = (b.roles == int(Role.ACT)) | (b.roles == int(Role.REHEARSE))
-        b.old_logp = torch.where(sampled, b.old_logp, torch.zeros_like(b.old_logp))
+    sampled = [(b.roles == int(Role.ACT)) | (b.roles == int(Role.REHEARSE)) for b in batches]
+    old = [torch.where(s, b.old_logp, torch.zeros_like(b.old_logp)) for b, s in zip(batches, sampled)]
     # vLLM's log-probs are another engine's numbers: the ratio's denominator is always the trainer's
     # own (the mismatch is what truncated IS corrects). Reuse is decided by every rank together:
     # the forward below all-gathers FSDP shards, so one rank recomputing while another goes on to
     # the reference forward or the loss would pair mismatched collectives (mixed weights, a hang).
     reuse = cfg.algo.updates_per_batch == 1 and cfg.rollout.engine.backend == "hf"
     if reuse:   # the same on every rank (config), so every rank takes part in any_rank or none does
-        local = all(bool(torch.isfinite(b.old_logp).all()) for b in batches)
+        local = all(bool(torch.isfinite(o).all()) for o in old)
         reuse = not any_rank(not local, run.info)
     if not reuse:
-        for b, lp in zip(batches, compute_logprobs(run.policy, batches, cfg)):
-            sampled = (b.roles == int(Role.ACT)) | (b.roles == int(Role.REHEARSE))
-            b.old_logp = torch.where(sampled, lp, torch.zeros_like(lp))
-    if run.ref is not None:
-        for b, lp in zip(batches, compute_logprobs(run.ref, batches, cfg)):
-            b.ref_logp = lp
+        old = [torch.where(s, lp, torch.zeros_like(lp))
+               for s, lp in zip(sampled, compute_logprobs(run.policy, batches, cfg))]
+    ref = compute_logprobs(run.ref, batches, cfg) if run.ref is not None else [None] * len(batches)
+    return old, ref
 
 
 @torch.no_grad()
@@ -232,8 +225,7 @@ def _clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     if not params:
         return 0.0
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
+    norm = full_tensor(norm)
     if max_norm > 0 and torch.isfinite(norm):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return float(norm)
