@@ -48,7 +48,7 @@ def test_every_user_gets_the_tokens_it_rendered_itself(tmpl, name, suite, split,
     tasks = [t for t in suite.tasks(split, limit=n) if t.gold]
     assert tasks
     run = SimpleNamespace(template=tmpl, tokenizer=tmpl.tokenizer, suite=suite,
-                          cfg=SimpleNamespace(rollout=SimpleNamespace(max_episode_tokens=10**6)))
+                          cfg=SimpleNamespace(rollout=SimpleNamespace(engine=SimpleNamespace(max_episode_tokens=10**6))))
     for task in tasks:
         ref, msgs, tools = _reference(tmpl, suite, task)
         g = render_gold(tmpl, suite, task)

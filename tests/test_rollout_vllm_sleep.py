@@ -117,5 +117,5 @@ def test_a_sharded_run_on_vllm_keeps_no_generation_copy():
     from fastrehearse.train.model_init import build_generation_model
     sharded = SimpleNamespace(sharded=True, device=torch.device("cpu"))
     hf_model = nn.Linear(2, 2)
-    cfg = SimpleNamespace(rollout=SimpleNamespace(backend="vllm"), model=SimpleNamespace(precision="fp32"))
+    cfg = SimpleNamespace(rollout=SimpleNamespace(engine=SimpleNamespace(backend="vllm")), model=SimpleNamespace(precision="fp32"))
     assert build_generation_model(cfg, sharded, policy=None, hf_model=hf_model) is hf_model
