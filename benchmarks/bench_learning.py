@@ -59,7 +59,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, SCRATCH  # noqa: E402
+from _common import RESULTS, SCRATCH, hardware  # noqa: E402
 
 ARMS = ("R", "Ca", "Cc", "H", "S")
 ARM_NAMES = {"R": "real-env GRPO, answer reward", "Ca": "rehearse, consistent reward",
@@ -602,6 +602,26 @@ def pilot_signal(a, cfg, failures: list) -> int:
     return 0 if out["fits_budget_16h"] else 4
 
 
+def record_pilot(a) -> Path:
+    """The v4 pilot's record: RUNS/pilot_ladder.json and RUNS/pilot_signal.json (what exists of
+    them) with every pilot eval's per-item scores, into OUT_pilot.json (--record:
+    benchmarks/results/learning_v4_smollm2_pilot.json)."""
+    rec: dict = {"hardware": hardware(), "pre_registration": "docs/learning.md, v4 pre-registration + addendum"}
+    for step in ("ladder", "signal"):
+        f = a.runs / f"pilot_{step}.json"
+        rec[step] = json.loads(f.read_text()) if f.exists() else None
+    for rung in (rec["ladder"] or {}).get("rungs", []):
+        items = Path(rung["run_dir"]) / "eval_pilot" / "items.jsonl"
+        if not items.is_absolute():
+            items = ROOT / items
+        rung["items"] = {r["id"]: r["score"] for r in map(json.loads, items.read_text().splitlines())}
+    out = Path(f"{a.out}_pilot.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rec, indent=1))
+    print(f"wrote {out}")
+    return out
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     cfg = load_cfg(a)
@@ -638,7 +658,12 @@ def main(argv=None) -> int:
     failures: list = []
     t0 = time.perf_counter()
     if a.pilot and a.design == "v4":   # --warmup K: steps 2-3 from the chosen W_K
-        return pilot_signal(a, cfg, failures) if a.warmup else pilot_ladder(a, cfg, failures)
+        if a.report_only:
+            record_pilot(a)
+            return 0
+        rc = pilot_signal(a, cfg, failures) if a.warmup else pilot_ladder(a, cfg, failures)
+        record_pilot(a)
+        return rc
     if not a.report_only:
         train_then_eval(a, {**pl["warmup"], "evals": []}, failures)   # every arm starts from its export
         if a.pilot:

@@ -600,3 +600,13 @@ def test_v4_pilot_signal_doubles_the_group_and_projects_the_cost(tmp_path, monke
         shutil.rmtree(d)
     fake_rows.ca_reward = 0.02
     assert bl.pilot_signal(a, cfg, []) == 3 and json.loads((tmp_path / "pilot_signal.json").read_text())["stop"]
+    # the pilot record: both steps' files with each rung's per-item pilot scores
+    rung = tmp_path / "W8"
+    (rung / "eval_pilot").mkdir(parents=True)
+    (rung / "eval_pilot" / "items.jsonl").write_text('{"id": "t100", "score": 1.0}\n{"id": "t101", "score": 0.0}\n')
+    (tmp_path / "pilot_ladder.json").write_text(json.dumps({"rungs": [{"k": 8, "success": 0.5, "run_dir": str(rung)}],
+                                                            "chosen": 8}))
+    a.out = tmp_path / "out"
+    rec = json.loads(bl.record_pilot(a).read_text())
+    assert rec["signal"]["stop"] and rec["ladder"]["chosen"] == 8
+    assert rec["ladder"]["rungs"][0]["items"] == {"t100": 1.0, "t101": 0.0} and "cpu" in rec["hardware"]
