@@ -349,7 +349,7 @@ def test_trainer_rollout_assigns_the_configured_rewards(llama, monkeypatch):
     assert row["reward"] == 1.0 and row["reward_real"] == 0.0 and row["world_grounded"] == pytest.approx(g)
 
 
-def _engine_episode(task, traj, malformed: dict, malformed_reward):
+def _engine_episode(task, traj, malformed: dict):
     """What the rollout engine builds from a finished row (rollout/episode.py), for a row that ran
     `traj` against the builtin world."""
     from types import SimpleNamespace
@@ -358,7 +358,7 @@ def _engine_episode(task, traj, malformed: dict, malformed_reward):
     from fastrehearse.rollout.episode import build_episode
     p = SimpleNamespace(task=task, seed=0, input_ids=[1])
     row = SimpleNamespace(p=p, env=EASY.make_env(), error=None, traj=traj, malformed=malformed,
-                          cfg=RolloutConfig(malformed_reward=malformed_reward), stop_reason="final_answer",
+                          cfg=RolloutConfig(), stop_reason="final_answer",
                           turns=2, user_turns=0, cut_turns=0, call_log=[{"name": "get_balance", "mode": "rehearse"}],
                           fidelity=[], tools_changed=[], policy_log=[], ids=[1, 2, 3],
                           roles=[int(Role.CONTEXT), int(Role.ACT), int(Role.ACT)], logps=[float("nan")] * 3)
@@ -384,7 +384,7 @@ def test_malformed_episode_rewards_in_every_mode(task_reward, malformed_reward):
               "world_right": {"real": 0.0, "consistent": 1.0, "calls": 1.0}}
     for name, traj in trajs.items():
         for malformed in ({"bad_json": 1}, {}):
-            ep = _engine_episode(task, traj, malformed, malformed_reward)
+            ep = _engine_episode(task, traj, malformed)
             eps = assign_rewards([ep], [traj], [task], EASY, task_reward=task_reward,
                                  malformed_reward=malformed_reward)
             assert ep.reward == scores[name]["real"]      # the engine's episode: its score, unchanged

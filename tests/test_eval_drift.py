@@ -227,7 +227,7 @@ def test_fidelity_under_drift(tmp_path, tok):
 
     def run(spec, sub):
         engine = RolloutEngine(model, tok, RolloutConfig(mode="rehearse", measure_fidelity=True, temperature=0.0,
-                                                         max_new_tokens=64, max_turns=4, malformed_reward=None))
+                                                         max_new_tokens=64, max_turns=4))
         engine.logits_processor = ForceResponse(tok, RESP["get_balance"].content, engine.template.tool_end_markers[0])
         make = (lambda c: Canned(RESP)) if spec is None else (lambda c: DriftEnv(Canned(RESP), DriftSpec.parse(spec)))
         done = run_items([("c", TASK)], make, engine, policy, ResultStore(tmp_path / sub, {}),

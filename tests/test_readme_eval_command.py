@@ -40,8 +40,6 @@ def test_readme_eval_command_is_the_demo_eval():
     a, b = dataclasses.asdict(cli.rollout), dataclasses.asdict(train.rollout)
     # one batch either way: every eval item decodes together
     assert min(a.pop("max_batch_size"), b.pop("max_batch_size")) >= len(eval_tasks)
-    # measure_fidelity: the evaluation's own (eval_engine); malformed_reward: the trainer's reward
-    # setting (fastrehearse.algo.rewards), which no engine reads
-    for k in ("measure_fidelity", "malformed_reward"):
-        a.pop(k), b.pop(k)
+    # measure_fidelity: the evaluation's own (eval_engine)
+    a.pop("measure_fidelity"), b.pop("measure_fidelity")
     assert a == b

@@ -285,7 +285,7 @@ def test_rollout_section_composes_the_engine_config():
     assert cfg.rollout.engine.measure_fidelity is True           # RL rollouts score the world model
     section = to_dict(cfg)["rollout"]
     assert "engine" not in section and section["mode"] == "hybrid" and section["group_size"] == 2
-    assert list(section)[-2:] == ["group_size", "tasks_per_step"]
+    assert list(section)[-3:] == ["group_size", "tasks_per_step", "malformed_reward"]
     for given in ({"rollout": {"mode": "real"}}, {"rollout": {"tasks_per_step": 8}}):
         assert from_dict(TrainConfig, given).rollout.engine.measure_fidelity is True
     cfg = TrainConfig()

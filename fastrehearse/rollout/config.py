@@ -35,9 +35,6 @@ class RolloutConfig:
     parallel_tool_calls: bool = True    # True: a turn ends at its end-of-turn marker and may hold
                                         # several calls; False: it stops at the first </tool_call>
     on_malformed: Literal[MALFORMED_OUTCOMES] = "error_response"  # the one vocabulary, train and eval
-    # training reward of an episode with a malformed call (None: its score), applied by
-    # fastrehearse.algo.rewards; the engine itself reports the score and metadata["malformed"]
-    malformed_reward: float | None = 0.0
     max_batch_size: int = 64            # hf: episodes decoded together (vllm takes all at once)
     max_chunk: int = 64                 # hf: most forced tokens fed to one row in one step
     rehearsal: Literal[REHEARSALS] = "inline"  # separate: the rollout benchmark's baseline

@@ -91,7 +91,7 @@ def _rewards(run: Run, res, tasks, mode: str) -> list[Episode]:
     c = run.cfg
     return assign_rewards(res.episodes, res.trajectories, tasks, run.suite, task_reward=c.env.reward,
                           world=c.algo.world_reward, rollout_mode=mode,
-                          malformed_reward=c.rollout.engine.malformed_reward, hybrid_baseline=c.algo.hybrid_baseline)
+                          malformed_reward=c.rollout.malformed_reward, hybrid_baseline=c.algo.hybrid_baseline)
 
 
 def evaluate(run: Run, *, tag: str) -> dict:

@@ -75,6 +75,9 @@ class TrainRolloutConfig:
                                   metadata=INLINE)
     group_size: int = 4             # samples per task (the GRPO group)
     tasks_per_step: int = 4         # tasks per RL step over all ranks (split evenly)
+    # training reward of an episode with a malformed call (None: its score), applied by
+    # fastrehearse.algo.rewards; the engine only reports the score and metadata["malformed"]
+    malformed_reward: float | None = 0.0
 
 
 @dataclass
