@@ -316,3 +316,19 @@ def test_component_checks_name_their_section():
         load_config(None, ["model.spec=tiny-llama", "model.options.hidden_size=30"])
     with pytest.raises(ConfigError, match=r"'algo.advantage.eps' must be > 0, got 0.0"):
         load_config(None, ["algo.advantage.eps=0"])
+
+
+def test_malformed_reward_is_the_trainers_and_reaches_assign_rewards(monkeypatch):
+    """`rollout.malformed_reward` (same key path as before) lives in the trainer's rollout section,
+    not in the engine's config, and is what the trainer's rewards apply."""
+    from types import SimpleNamespace
+
+    from fastrehearse.rollout.config import RolloutConfig
+    from fastrehearse.train import rollouts
+    cfg = load_config(None, ["rollout.malformed_reward=-0.5"])
+    assert cfg.rollout.malformed_reward == -0.5 and "malformed_reward" not in RolloutConfig.__dataclass_fields__
+    seen = {}
+    monkeypatch.setattr(rollouts, "assign_rewards", lambda *a, **k: seen.update(k) or [])
+    rollouts._rewards(SimpleNamespace(cfg=cfg, suite=None), SimpleNamespace(episodes=[], trajectories=[]), [], "rehearse")
+    assert seen["malformed_reward"] == -0.5
+    assert load_config(None, ["rollout.malformed_reward=null"]).rollout.malformed_reward is None
