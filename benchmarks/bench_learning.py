@@ -259,12 +259,17 @@ def _eval_common(cfg, export: Path) -> list[str]:
             "--max-new-tokens", str(cfg.rollout.engine.max_new_tokens), "--seed", "0", "--quiet"]
 
 
+def _eval_job(cfg, export: Path, out: Path, category: str, *window: str) -> tuple[str, Path, list[str]]:
+    """One `fastrehearse eval` of `category` (window: its --limit / --offset flags) into `out`."""
+    return ("eval", out, [CLI, "eval", *_eval_common(cfg, export), "--categories", category, *window,
+                          "--out", str(out)])
+
+
 def pilot_eval_cmd(a, cfg, export: Path, run_dir: Path) -> tuple[str, Path, list[str]]:
     """v4 pilot items: test-split rules tasks 100-163, disjoint from the primary 0-99."""
     off, n = V4["pilot_items"] if not a.tiny else (a.n_eval, a.n_eval)
-    return ("eval", run_dir / "eval_pilot",
-            [CLI, "eval", *_eval_common(cfg, export), "--categories", categories(a, cfg)["primary"],
-             "--offset", str(off), "--limit", str(n), "--out", str(run_dir / "eval_pilot")])
+    return _eval_job(cfg, export, run_dir / "eval_pilot", categories(a, cfg)["primary"],
+                     "--offset", str(off), "--limit", str(n))
 
 
 def eval_cmds(a, cfg, export: Path, run_dir: Path) -> list[tuple[str, Path, list[str]]]:
@@ -274,11 +279,8 @@ def eval_cmds(a, cfg, export: Path, run_dir: Path) -> list[tuple[str, Path, list
         n_mixed = a.n_eval if a.tiny else V4["n_mixed"]
         tf = [sys.executable, "-m", "fastrehearse.eval.teacher_forced", "--model", str(export),
               "--tools", str(cfg.env.options.get("tools", "auto")), "--threads", str(a.threads)]
-        return [("eval", run_dir / "eval", [CLI, "eval", *_eval_common(cfg, export), "--categories", cats["primary"],
-                                            "--limit", str(a.n_eval), "--out", str(run_dir / "eval")]),
-                ("eval", run_dir / "eval_mixed", [CLI, "eval", *_eval_common(cfg, export), "--categories",
-                                                  cats["mixed"], "--limit", str(n_mixed),
-                                                  "--out", str(run_dir / "eval_mixed")]),
+        return [_eval_job(cfg, export, run_dir / "eval", cats["primary"], "--limit", str(a.n_eval)),
+                _eval_job(cfg, export, run_dir / "eval_mixed", cats["mixed"], "--limit", str(n_mixed)),
                 ("tf", run_dir / "teacher_forced.json",
                  [*tf, "--level", a.level, "--n", str(a.n_rehearsal), "--n-rehearsal", str(a.n_rehearsal),
                   "--out", str(run_dir / "teacher_forced.json")])]
@@ -491,12 +493,16 @@ def train_then_eval(a, job: dict, failures: list) -> None:
             failures.append({"command": shell(cmd, a.threads), "rc": rc, "log": str(log)})
 
 
+def _in_window(success: float) -> bool:
+    return WINDOW[0] <= success <= WINDOW[1]
+
+
 def choose_warmup(rungs: list[dict]) -> int | None:
     """The pre-registered rule over the rungs evaluated so far ({"k", "success"} in ladder order):
     the first inside WINDOW; none inside: the one nearest the window's middle when it lies within
     V4["fallback"] (ties: the earlier rung); else None (stop)."""
     for r in rungs:
-        if WINDOW[0] <= r["success"] <= WINDOW[1]:
+        if _in_window(r["success"]):
             return r["k"]
     if not rungs:
         return None
@@ -521,7 +527,7 @@ def pilot_ladder(a, cfg, failures: list) -> int:
         rungs.append({"k": k, "success": cat["accuracy"], "n": cat["n"], "run_dir": str(job["run_dir"]),
                       "eval_command": shell(job["pilot_eval"][2], a.threads)})
         print(f"pilot: W_{k} solves {100 * cat['accuracy']:.1f}% of {cat['n']} pilot items")
-        if WINDOW[0] <= cat["accuracy"] <= WINDOW[1]:
+        if _in_window(cat["accuracy"]):
             break
     chosen = choose_warmup(rungs)
     out = {"window": WINDOW, "fallback": V4["fallback"], "rungs": rungs, "chosen": chosen,
@@ -535,8 +541,9 @@ def pilot_ladder(a, cfg, failures: list) -> int:
 
 
 def _rl_rows(run_dir: Path) -> list[dict]:
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-            if r.get("stage") == "rl"]
+    """The RL rows of a run's metrics.jsonl ([] before its first row)."""
+    f = run_dir / "metrics.jsonl"
+    return [r for r in map(json.loads, f.read_text().splitlines()) if r.get("stage") == "rl"] if f.exists() else []
 
 
 def pilot_signal(a, cfg, failures: list) -> int:
@@ -545,7 +552,7 @@ def pilot_signal(a, cfg, failures: list) -> int:
     Ca's mean `consistent` rollout reward, and one whole RL step of Ca timed on HF and on vLLM
     (each run's second step: time between its metrics rows). Writes RUNS/pilot_signal.json with the
     projected cost of the minimum design on this machine."""
-    warm = a.runs / f"W{a.warmup}"
+    warm = warmup_of(a, cfg)["run_dir"]
     root = a.runs / "pilot"
     out: dict = {"warmup": a.warmup, "runs": {}}
 
@@ -554,12 +561,12 @@ def pilot_signal(a, cfg, failures: list) -> int:
         job = {"run_dir": d, "total_steps": 2, "evals": [],
                "train": train_cmd(a, d, [f"model.spec={warm / 'export'}", "seed=0", "sft.steps=0", "steps=2",
                                          *ARM_SETS[arm], *sets])}
-        done = (d / "metrics.jsonl").exists() and len(_rl_rows(d)) == 2
-        if not done:
-            train_then_eval(a, job, failures)
-        if failures or not (d / "metrics.jsonl").exists() or len(_rl_rows(d)) != 2:
-            return None
         rows = _rl_rows(d)
+        if len(rows) != 2:   # finished runs are read, not rerun
+            train_then_eval(a, job, failures)
+            rows = _rl_rows(d)
+        if failures or len(rows) != 2:
+            return None
         rec = {"command": shell(job["train"], a.threads),
                "zero_signal_act": [r["zero_signal_groups"] for r in rows], "reward": [r["reward"] for r in rows],
                "step2_s": rows[1]["time"] - rows[0]["time"], "rollout_s": [r["rollout_s"] for r in rows],
@@ -567,15 +574,13 @@ def pilot_signal(a, cfg, failures: list) -> int:
         out["runs"][name] = rec
         return rec
 
-    group = 8
-    for g in (8, 16):
-        group = g
-        ca, r = run(f"Ca-g{g}", "Ca", [f"rollout.group_size={g}"]), run(f"R-g{g}", "R", [f"rollout.group_size={g}"])
+    for group in (8, 16):
+        ca, r = [run(f"{arm}-g{group}", arm, [f"rollout.group_size={group}"]) for arm in ("Ca", "R")]
         if ca is None or r is None:
             print(f"pilot: a signal run failed: {failures}")
             return 1
         zs = sum(ca["zero_signal_act"]) / 2
-        print(f"pilot: group {g}: Ca zero-signal ACT groups {zs:.2f}, R {sum(r['zero_signal_act']) / 2:.2f}; "
+        print(f"pilot: group {group}: Ca zero-signal ACT groups {zs:.2f}, R {sum(r['zero_signal_act']) / 2:.2f}; "
               f"Ca mean consistent reward {sum(ca['reward']) / 2:.3f}")
         if zs <= 0.5:
             break
@@ -649,7 +654,7 @@ def main(argv=None) -> int:
     print("commands (each train command is rerun with --resume after an interruption):")
     for j in (jobs[:1] if a.pilot else jobs):
         print("  " + shell(j["train"], a.threads))
-        for _, _, c in j["evals"]:
+        for _, _, c in ([j["pilot_eval"]] if a.pilot and "pilot_eval" in j else j["evals"]):
             print("  " + shell(c, a.threads))
     if kept:
         print(f"kept from --prior (not run): {', '.join(f'{arm}-s{seed}' for arm, seed in sorted(kept))}")
