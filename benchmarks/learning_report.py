@@ -443,7 +443,6 @@ def pilot_verdict(a, cfg, pl: dict, failures: list, window: tuple[float, float])
 
 
 # ---- v4: the pre-registered decision (docs/learning.md, "v4 pre-registration") -------------
-V4_MIN_SEEDS = {"R": 8, "Ca": 8, "Cv": 4, "Sr": 4, "S": 2}
 V4_TESTS = (("P1", "Ca", "Cv", "the rehearsed world's content helps (beyond its format)"),
             ("P2", "Ca", "Sr", "RL adds to SFT on the same consistent rehearsals"))
 
@@ -456,7 +455,8 @@ def v4_decision(seeds: dict[str, list[float]], warmup: float, planned_mde: dict[
     (Ca - W) / (R - W) with its Fieller interval, read against 0.5. An arm short of its
     pre-registered minimum seeds makes the whole report "incomplete: no verdict" (numbers kept).
     `planned_mde`: {"P1": ..., "P2": ...} fixed by the pilot before the runs."""
-    short = {arm: (len(seeds.get(arm, [])), n) for arm, n in V4_MIN_SEEDS.items() if len(seeds.get(arm, [])) < n}
+    from bench_learning import V4   # the pre-registered minimum seeds, where the plan takes them
+    short = {arm: (len(seeds.get(arm, [])), n) for arm, n in V4["seeds"].items() if len(seeds.get(arm, [])) < n}
     tests = {}
     for name, a, b, claim in V4_TESTS:
         if len(seeds.get(a, [])) < 2 or len(seeds.get(b, [])) < 2:
