@@ -48,16 +48,18 @@ def vocab_outer_plan(n: int, h: int, v: int, device: torch.device, *, block_elem
 
     Workspace = fp32 dX accumulator [R, H] + per block an [R, V_b] set of buffers of
     `block_elem_bytes` per element (fp32 logits, dZ, the pre-cap logits with a soft-cap) + an
-    fp32 [V_b, H] dW block. R: the rows whose dX accumulator fits half the budget, at most all
-    of them, rounded down to a multiple of 64 from 128 on -- so all rows form one group (each dW
-    block written once) only when their count is a multiple of 64 or below 128; `rows` (the
-    caller's chunk_size) overrides R. V_b: what the rest of the budget holds.
+    fp32 [V_b, H] dW block. R: all rows when their dX accumulator fits half the budget -- one group,
+    so each dW block is written once, in its final dtype -- else the rows that fit, rounded down
+    to a multiple of 64 from 128 on (GEMM-friendly groups); `rows` (the caller's chunk_size)
+    overrides R. V_b: what the rest of the budget holds.
     """
     budget = workspace_bytes or (WORKSPACE_BYTES_CUDA if device.type == "cuda"
                                  else WORKSPACE_BYTES_CPU)
     row_bytes = 4 * max(h, 1)
-    r = min(plan_chunk(n, row_bytes, min(budget // 2, n * row_bytes), chunk_size=rows),
-            max(n, 1))
+    if rows is None and n * row_bytes <= budget // 2:
+        r = max(n, 1)   # not rounded to 64: a second group would accumulate dW in fp32 for nothing
+    else:
+        r = min(plan_chunk(n, row_bytes, budget // 2, chunk_size=rows), max(n, 1))
     cols = plan_chunk(v, r * block_elem_bytes + h * 4, budget, fixed_bytes=r * h * 4, align=128,
                       floor=16)
     return r, cols
