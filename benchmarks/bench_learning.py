@@ -627,6 +627,14 @@ def record_pilot(a) -> Path:
     return out
 
 
+def read_pilot(a) -> dict | None:
+    """The v4 pilot's record (record_pilot): beside this report's output, else the committed one."""
+    for f in (Path(f"{a.out}_pilot.json"), RESULTS / "learning_v4_smollm2_pilot.json"):
+        if f.exists():
+            return json.loads(f.read_text())
+    return None
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     cfg = load_cfg(a)
@@ -679,8 +687,14 @@ def main(argv=None) -> int:
             with cf.ThreadPoolExecutor(max_workers=a.jobs) as ex:
                 for f in [ex.submit(train_then_eval, a, j, failures) for j in jobs]:
                     f.result()
-    res = lr.report(a, cfg, pl, failures, None if a.report_only else time.perf_counter() - t0, est, priors)
-    lr.write_outputs(res, a.out)
+    wall = None if a.report_only else time.perf_counter() - t0
+    if a.design == "v4":
+        import learning_report_v4 as lr4
+        res = lr4.report_v4(a, cfg, pl, failures, wall, read_pilot(a), priors)
+        lr4.write_outputs(res, a.out)
+    else:
+        res = lr.report(a, cfg, pl, failures, wall, est, priors)
+        lr.write_outputs(res, a.out)
     if failures or res["missing"]:
         print(f"{len(failures)} command(s) failed, {len(res['missing'])} number(s) missing: see {a.out}.md")
         return 1

@@ -327,12 +327,13 @@ def load_priors(a, cfg, paths: list) -> dict:
     return out
 
 
-def same_warmup(prior_warm: dict, items: dict, sha: str | None) -> str | None:
+def same_warmup(prior_warm: dict, items: dict, sha: str | None, metrics: dict = METRICS) -> str | None:
     """None when an earlier report's warm-up is this run's, else why not. Weights by sha256 when
-    both reports have it; else every success / fidelity item equal and log-probs within LOGPROB_TOL."""
+    both reports have it; else every success / fidelity item equal and log-probs within LOGPROB_TOL
+    (`metrics`: the design's {key: (label, kind)})."""
     if sha and prior_warm.get("weights_sha256"):
         return None if sha == prior_warm["weights_sha256"] else "warm-up weights differ (sha256)"
-    for k, (_, kind) in METRICS.items():
+    for k, (_, kind) in metrics.items():
         p, q = prior_warm["items"].get(k, {}), items.get(k, {})
         if p.keys() != q.keys():
             return f"warm-up {k}: other items"

@@ -610,3 +610,66 @@ def test_v4_pilot_signal_doubles_the_group_and_projects_the_cost(tmp_path, monke
     rec = json.loads(bl.record_pilot(a).read_text())
     assert rec["signal"]["stop"] and rec["ladder"]["chosen"] == 8
     assert rec["ladder"]["rungs"][0]["items"] == {"t100": 1.0, "t101": 0.0} and "cpu" in rec["hardware"]
+
+
+def _fake_checkpoint(d: Path, cats: dict, primary: int, mixed: int, pred: list, hidden: list) -> None:
+    """A checkpoint's eval and teacher-forced files as `fastrehearse eval` / teacher_forced write
+    them: `primary` of the 100 primary items solved, `mixed` of the 64 mixed ones; rehearsal item i
+    with predictable / hidden fidelity pred[i] / hidden[i] (None: the item has no such field)."""
+    for sub, cat, n, k in (("eval", cats["primary"], 100, primary), ("eval_mixed", cats["mixed"], 64, mixed)):
+        (d / sub).mkdir(parents=True)
+        (d / sub / "items.jsonl").write_text("".join(
+            json.dumps({"id": f"{sub}-{i:03d}", "category": cat, "error": None, "score": float(i < k)}) + "\n"
+            for i in range(n)))
+    (d / "teacher_forced.json").write_text(json.dumps({
+        "logprob_items": [{"id": f"tf-{i}", "answer_logprob": -1.0 - i / 64, "value_logprob": -0.5} for i in range(64)],
+        "rehearsal_items": [{"id": f"tf-{i}", "schema": 1.0, "echo": 1.0, "field_f1": 0.5,
+                             "rule_predictable": pred[i % len(pred)], "rule_hidden": hidden[i % len(hidden)]}
+                            for i in range(64)]}))
+
+
+def test_v4_report_reads_every_run_and_applies_the_preregistered_rule(tmp_path):
+    """report_v4 on hand-made run dirs: per-seed primary success read from each run's own items, the
+    fidelity split averaged over the items that have the field, the decision equal to the rule on
+    those per-seed numbers, the planned MDE from R and Ca's seeds 0-1 (floored at v3's 12.1 pp) when
+    the pilot record has none, and an arm short of its seeds' evals reported incomplete."""
+    sys.path.insert(0, str(BENCH.parent))
+    import bench_learning as bl
+    import learning_report as lr
+    import learning_report_v4 as lr4
+    a = bl.parse_args(["--design", "v4", "--warmup", "8", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
+    cfg = bl.load_cfg(a)
+    pl = bl.plan(a, cfg)
+    cats = bl.categories(a, cfg)
+    solved = {"R": [60, 64, 58, 62, 66, 61, 63, 59], "Ca": [55, 57, 53, 56, 58, 54, 52, 59],
+              "Cv": [40, 42, 38, 41], "Sr": [50, 47, 52, 49], "S": [90, 91]}
+    _fake_checkpoint(pl["warmup"]["run_dir"], cats, 37, 30, [0.5], [0.0])
+    for (arm, seed), job in pl["runs"].items():
+        _fake_checkpoint(job["run_dir"], cats, solved[arm][seed], 31, [1.0, None, 0.5], [0.0, 0.25])
+    res = lr4.report_v4(a, cfg, pl, [], None, None)
+    assert res["missing"] == []
+    per_seed = {arm: [k / 100 for k in v] for arm, v in solved.items()}
+    for arm, v in per_seed.items():
+        assert [s["metrics"]["primary"] for s in res["arms"][arm]["seeds"].values()] == v
+    ca0 = res["arms"]["Ca"]["seeds"]["0"]["metrics"]
+    # items i % 3 == 1 have no predictable field: the mean is over the others (1.0 and 0.5 alternate)
+    preds = [[1.0, None, 0.5][i % 3] for i in range(64)]
+    assert ca0["reh_predictable"] == pytest.approx(sum(p for p in preds if p is not None) / sum(p is not None for p in preds))
+    assert ca0["reh_hidden"] == pytest.approx(0.125) and ca0["mixed"] == pytest.approx(31 / 64)
+    assert res["mixed_vs_warmup"]["Ca"] == pytest.approx(1 / 64)
+    want = lr.v4_decision(per_seed, 0.37, {k: res["planned_mde"]["mde"][k] for k in ("P1", "P2")})
+    assert res["decision"]["verdict"] == want["verdict"] and res["decision"]["complete"]
+    assert res["decision"]["tests"]["P1"]["p"] == want["tests"]["P1"]["p"] < 0.025   # Ca beats Cv on every seed
+    # planned SD: R and Ca's seeds 0-1 pool to ~2.2 pp, below v3's 12.1 pp, so 12.1 pp plans the run
+    assert res["planned_mde"]["planning_sd"] == lr4.PLANNING_SD
+    assert res["planned_mde"]["mde"]["P1"] == pytest.approx(0.231, abs=1e-3)
+    assert any("planned MDE computed by the report" in x for x in res["deviations"])
+    lr4.write_outputs(res, a.out)
+    md = Path(f"{a.out}.md").read_text()
+    assert want["verdict"] in md and Path(f"{a.out}.png").stat().st_size > 0
+    # a seed's primary eval short of items: missing, and no verdict
+    (pl["runs"][("Cv", 3)]["run_dir"] / "eval" / "items.jsonl").write_text("")
+    res = lr4.report_v4(a, cfg, pl, [], None, {"planned_mde": res["planned_mde"]})
+    assert res["decision"]["verdict"] == "incomplete: no verdict" and res["decision"]["short_arms"] == {"Cv": (3, 4)}
+    assert any("Cv-s3/eval" in m and "0 scored items of 100" in m for m in res["missing"])
+    assert res["deviations"] == []
