@@ -523,6 +523,30 @@ def _ci(c: dict, kind: str) -> str:
     return f"{f(w['diff'])} | {pt} | {wt} | {bt} | {mde}"
 
 
+def md_tail(res: dict) -> list[str]:
+    """The report's closing lines, any design: runs kept from --prior, what is missing or failed,
+    where the per-item records are, and every command that produced a number."""
+    lines: list[str] = []
+    kept = [(f"{arm}-s{seed}", s["kept_from"]) for arm, r in res["arms"].items() for seed, s in r["seeds"].items()
+            if s.get("kept_from")]
+    if kept:
+        lines += ["", "Kept from an earlier report of the same plan and warm-up (`--prior`; their run dirs were "
+                      "not here, so their records were reused, not retrained): "
+                  + "; ".join(f"{k} from {src}" for k, src in kept) + "."]
+    if res["missing"] or res["failures"]:
+        lines += ["", "## Missing / failed (never counted as scores)", ""]
+        lines += [f"- {m}" for m in res["missing"]] + [f"- rc {f['rc']}: `{f['command']}` (log {f['log']})"
+                                                        for f in res["failures"]]
+    lines += ["", "Per-item results: the JSON's `warmup.items` and `arms.<arm>.seeds.<seed>.items` ({metric: "
+                  "{item id: value}}).", "", "## Commands", "", "```", res["warmup"]["train_command"],
+              *res["warmup"]["eval_commands"]]
+    for r in res["arms"].values():
+        for s in r["seeds"].values():
+            lines += [s["train_command"], *s["eval_commands"]]
+    lines += ["```", ""]
+    return lines
+
+
 def write_md(res: dict, path: Path) -> None:
     p = res["plan"]
     if p.get("drift") is None:     # --no-drift: not run, so no column (never a row of "missing")
@@ -586,23 +610,7 @@ def write_md(res: dict, path: Path) -> None:
             cells.append(f"s{seed}: " + " / ".join("-" if m.get(k) is None else f"{100 * m[k]:.1f}"
                                                    for k in ("answer_seen", "call_heldout", "answer_heldout", "reh_hidden")))
         lines.append(f"- {arm}: " + "; ".join(cells))
-    kept = [(f"{arm}-s{seed}", s["kept_from"]) for arm, r in res["arms"].items() for seed, s in r["seeds"].items()
-            if s.get("kept_from")]
-    if kept:
-        lines += ["", "Kept from an earlier report of the same plan and warm-up (`--prior`; their run dirs were "
-                      "not here, so their records were reused, not retrained): "
-                  + "; ".join(f"{k} from {src}" for k, src in kept) + "."]
-    if res["missing"] or res["failures"]:
-        lines += ["", "## Missing / failed (never counted as scores)", ""]
-        lines += [f"- {m}" for m in res["missing"]] + [f"- rc {f['rc']}: `{f['command']}` (log {f['log']})"
-                                                        for f in res["failures"]]
-    lines += ["", "Per-item results: the JSON's `warmup.items` and `arms.<arm>.seeds.<seed>.items` ({metric: "
-                  "{item id: value}}).", "", "## Commands", "", "```", res["warmup"]["train_command"],
-              *res["warmup"]["eval_commands"]]
-    for r in res["arms"].values():
-        for s in r["seeds"].values():
-            lines += [s["train_command"], *s["eval_commands"]]
-    lines += ["```", ""]
+    lines += md_tail(res)
     path.write_text("\n".join(lines))
 
 
@@ -675,9 +683,10 @@ def write_png(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_outputs(res: dict, out: Path) -> None:
+def write_outputs(res: dict, out: Path, md=None, png=None) -> None:
+    """OUT.json / .md / .png; `md` / `png`: the design's writers (default v2/v3's)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out}.json").write_text(json.dumps(res, indent=1, default=float))
-    write_md(res, Path(f"{out}.md"))
-    write_png(res, Path(f"{out}.png"))
+    (md or write_md)(res, Path(f"{out}.md"))
+    (png or write_png)(res, Path(f"{out}.png"))
     print(f"wrote {out}.json / .md / .png")

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import learning_stats as ls
 from _common import hardware
-from learning_report import (_items, _mean, curves, same_warmup, summary, training_signal, v4_decision,
+from learning_report import (_items, _mean, curves, md_tail, same_warmup, summary, training_signal, v4_decision,
                              weight_change)
+from learning_report import write_outputs as lr_write_outputs
 
 V4_METRICS = {   # key -> (label, kind)
     "primary": ("answer-checked, rules (primary)", "rate"),
@@ -264,17 +265,7 @@ def write_md(res: dict, path: Path) -> None:
             g = s["signal"]
             lines.append(f"| {arm} | {seed} | {g['rl_steps']} | {_pct(g['mean_reward'])} | {_pct(g['mean_reward_real'])} | "
                          f"{_pct(g['zero_signal_share'])} | {_pct(s.get('kept_frac'))} |")
-    if res["missing"] or res["failures"]:
-        lines += ["", "## Missing / failed (never counted as scores)", ""]
-        lines += [f"- {x}" for x in res["missing"]] + [f"- rc {f['rc']}: `{f['command']}` (log {f['log']})"
-                                                        for f in res["failures"]]
-    lines += ["", "Per-item records: the JSON's `warmup.items` and `arms.<arm>.seeds.<seed>.items` "
-                  "({metric: {item id: value}}).", "", "## Commands", "", "```", res["warmup"]["train_command"],
-              *res["warmup"]["eval_commands"]]
-    for r in res["arms"].values():
-        for s in r["seeds"].values():
-            lines += [s.get("train_command", f"(kept from {s.get('kept_from')})"), *s.get("eval_commands", [])]
-    lines += ["```", ""]
+    lines += md_tail(res)
     path.write_text("\n".join(lines))
 
 
@@ -333,8 +324,4 @@ def write_png(res: dict, path: Path) -> None:
 
 
 def write_outputs(res: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps(res, indent=1, default=float))
-    write_md(res, Path(f"{out}.md"))
-    write_png(res, Path(f"{out}.png"))
-    print(f"wrote {out}.json / .md / .png")
+    lr_write_outputs(res, out, write_md, write_png)
