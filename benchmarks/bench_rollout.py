@@ -10,7 +10,7 @@ role is played:
              into the same KV cache and the model keeps generating the response (fastrehearse).
   separate   per call, a fresh simulator prompt (system + tools + the conversation so far + the call)
              is prefilled and decoded, and its tokens are copied into the episode (the style of the
-             paper's official code).
+             paper's official code): benchmarks/_simulator.py, on the engine's simulator hook.
 
 Also: batched rollout tokens/s (all episodes in one decode batch) vs one episode at a time.
 Prints a table, writes JSON (hardware, torch version, medians over --repeats) and a PNG.
@@ -44,11 +44,14 @@ import torch
 from fastrehearse.envs.builtin import BuiltinSuite
 from fastrehearse.kernels.roles import Role
 from fastrehearse.model import load_model
-from fastrehearse.rollout.engine import SIMULATOR_SYSTEM, RolloutConfig, RolloutEngine
+from fastrehearse.rollout.engine import RolloutConfig, RolloutEngine
 from fastrehearse.rollout.gold import gold_replies
 from fastrehearse.rollout.template import ChatTemplate, assistant_text
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_output_args, cpu_model, output_path  # noqa: E402
+from _simulator import SIMULATOR_SYSTEM, SeparateSimulator  # noqa: E402
+
+REHEARSALS = ("inline", "separate")
 
 
 
@@ -113,15 +116,19 @@ class GoldScript:
 
 
 def run_mode(model, tok, tmpl, suite, tasks, *, rehearsal: str, batch: int, group: int, seed: int):
-    cfg = RolloutConfig(mode="rehearse", rehearsal=rehearsal, max_new_tokens=256, max_turns=8,
+    """One rollout of `tasks`, rehearsing "inline" (the engine) or "separate" (_simulator.py)."""
+    if rehearsal not in REHEARSALS:
+        raise ValueError(f"rehearsal must be one of {REHEARSALS}, got {rehearsal!r}")
+    cfg = RolloutConfig(mode="rehearse", max_new_tokens=256, max_turns=8,
                         max_episode_tokens=4096, max_batch_size=batch, temperature=1.0)
-    eng = RolloutEngine(model, tok, cfg, template=tmpl, logits_processor=GoldScript(tmpl, tasks))
+    sim = SeparateSimulator(tmpl) if rehearsal == "separate" else None
+    eng = RolloutEngine(model, tok, cfg, template=tmpl, logits_processor=GoldScript(tmpl, tasks), simulator=sim)
     res = eng.rollout(tasks, suite, group_size=group, seed=seed)
     m = res.metrics
     ok = sum(ep.metadata["stop_reason"] == "final_answer" for ep in res.episodes)
     return {"wall_s": m["wall_s"], "prefill_tokens": m["prefill_tokens"], "decode_tokens": m["decode_tokens"],
             "forward_calls": m["forward_calls"], "tokens_per_s": m["tokens_per_s"],
-            "decode_tokens_per_s": m["decode_tokens_per_s"], "simulator_prompts": m["simulator_prompts"],
+            "decode_tokens_per_s": m["decode_tokens_per_s"], "simulator_prompts": sim.prompts if sim else 0,
             "rehearsed_calls": m["calls"].get("rehearse", 0), "episodes": len(res.episodes),
             "episodes_finished": ok, "mean_reward": m["mean_reward"],
             "episode_tokens": sum(len(e.input_ids) for e in res.episodes),

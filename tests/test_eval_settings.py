@@ -23,7 +23,7 @@ def tok():
 TRAIN_ROLLOUT = dict(mode="hybrid", hybrid_p=0.2, temperature=0.7, top_p=0.9, max_new_tokens=40,
                      on_max_new_tokens="end_episode", max_turns=3, max_episode_tokens=999,
                      parallel_tool_calls=False, on_malformed="end_episode",
-                     max_batch_size=5, max_chunk=7, rehearsal="separate",
+                     max_batch_size=5, max_chunk=7,
                      backend="vllm", vllm=VLLMOptions(kv_cache_gib=3, enforce_eager=True))
 
 

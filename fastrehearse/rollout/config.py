@@ -1,5 +1,5 @@
 """The rollout engine's settings (RolloutConfig) and its input rows (Prompt): their own module, so
-the modules the engine is built from (row.py, simulator.py) import them without importing the
+the modules the engine is built from (the row, the decode loop) import them without importing the
 engine."""
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from fastrehearse.rollout.vllm_options import BACKENDS, VLLMOptions
 MODES = ("rehearse", "real", "hybrid")
 MALFORMED_OUTCOMES = ("error_response", "end_episode")
 CUT_OUTCOMES = ("end_turn", "end_episode")
-REHEARSALS = ("inline", "separate")
 
 
 @dataclass
@@ -37,8 +36,6 @@ class RolloutConfig:
     on_malformed: Literal[MALFORMED_OUTCOMES] = "error_response"  # the one vocabulary, train and eval
     max_batch_size: int = 64            # hf: episodes decoded together (vllm takes all at once)
     max_chunk: int = 64                 # hf: most forced tokens fed to one row in one step
-    rehearsal: Literal[REHEARSALS] = "inline"  # separate: the rollout benchmark's baseline
-                                        # (refused in training)
     backend: Literal[BACKENDS] = "hf"   # hf (transformers KV-cache decoding, the engine's sampler) |
                                         # vllm (one vLLM instance per process; docs/rollout.md)
     vllm: VLLMOptions = field(default_factory=VLLMOptions)   # backend=vllm only
@@ -50,7 +47,6 @@ class RolloutConfig:
         choice("mode", MODES)
         choice("on_malformed", MALFORMED_OUTCOMES)
         choice("on_max_new_tokens", CUT_OUTCOMES)
-        choice("rehearsal", REHEARSALS)
         choice("backend", BACKENDS)
         if not 0.0 <= self.hybrid_p <= 1.0:
             raise ValueError(f"RolloutConfig.hybrid_p must be in [0, 1], got {self.hybrid_p}")
@@ -71,7 +67,8 @@ class Prompt:
     input_ids: list[int]
     roles: list[int]
     tools: list[dict]
-    messages: list[dict] = field(default_factory=list)  # the prefix as chat messages (simulator mode)
+    messages: list[dict] = field(default_factory=list)  # the prefix as chat messages (what a policy
+                                                        # and a separate simulator are shown)
     task: Task | None = None
     env: ToolEnv | None = None
     seed: int = 0

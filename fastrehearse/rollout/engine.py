@@ -8,7 +8,7 @@ appended by the row itself. The decode loop (decode.py) keeps one segment in fli
 a backend (segments.py: the protocol; hf_segments.py: Hugging Face KV-cache decoding with the
 engine's own sampler; vllm_backend.py: vLLM with prefix caching), so a batch never waits for its
 slowest turn. Call routing and execution: calls.py; episode + metrics assembly: episode.py; the
-benchmark-only `rehearsal="separate"` mode: simulator.py.
+hook for a separate response simulator (the rollout benchmark's baseline): simulator.py.
 
 The environment protocol (fastrehearse.envs.base) decides everything env-specific: user turns
 (none / scripted / a simulator), tools that change mid-task (`env.tools`, re-read after each user
@@ -38,7 +38,6 @@ from fastrehearse.rollout.config import (
     CUT_OUTCOMES,
     MALFORMED_OUTCOMES,
     MODES,
-    REHEARSALS,
     Prompt,
     RolloutConfig,
 )
@@ -48,12 +47,11 @@ from fastrehearse.rollout.hf_segments import HFBackend, LogitsProcessor
 from fastrehearse.rollout.policy import Policy
 from fastrehearse.rollout.row import Row, RowSettings
 from fastrehearse.rollout.segments import Sampling, SegmentBackend, StopMatcher
-from fastrehearse.rollout.simulator import SIMULATOR_SYSTEM, simulate
+from fastrehearse.rollout.simulator import ResponseSimulator, simulate
 from fastrehearse.rollout.template import TOOL_CALL_CLOSE, ChatTemplate
 from fastrehearse.rollout.vllm_options import BACKENDS, VLLMOptions
 
-__all__ = ["MODES", "MALFORMED_OUTCOMES", "CUT_OUTCOMES", "REHEARSALS", "BACKENDS", "SIMULATOR_SYSTEM",
-           "LogitsProcessor", "RolloutConfig", "Prompt", "RolloutResult", "RolloutEngine", "VLLMOptions"]
+__all__ = ["MODES", "MALFORMED_OUTCOMES", "CUT_OUTCOMES", "BACKENDS", "LogitsProcessor", "RolloutConfig", "Prompt", "RolloutResult", "RolloutEngine", "VLLMOptions"]
 
 
 @dataclass
@@ -78,11 +76,14 @@ class RolloutEngine:
     over `model`), read at each batch, so callers may swap it (a shared PrefixCache).
     `backend` (a SegmentBackend) overrides `config.backend`; with backend="vllm" the process's one
     vLLM instance for `model` is used (fastrehearse.rollout.vllm_backend.shared_backend).
+    `simulator` (fastrehearse.rollout.simulator): rehearsed responses are written by it, outside
+    the episode, instead of inline (the rollout benchmark's separate-simulator baseline).
     """
 
     def __init__(self, model, tokenizer, config: RolloutConfig | None = None, *,
                  template: ChatTemplate | None = None, backend_factory: Callable[[], Generator] | None = None,
-                 logits_processor: LogitsProcessor | None = None, backend: SegmentBackend | None = None):
+                 logits_processor: LogitsProcessor | None = None, backend: SegmentBackend | None = None,
+                 simulator: ResponseSimulator | None = None):
         self.config = config or RolloutConfig()
         self.config.validate()
         self.model = model
@@ -114,6 +115,7 @@ class RolloutEngine:
             from fastrehearse.rollout.vllm_backend import require_vllm
             require_vllm()      # refused here, one line naming the package, before any work
         self._backend = backend
+        self.simulator = simulator
         self._env_errors: Counter = Counter()
         self.policy: Policy | None = None     # the token source of the current generate() call
 
@@ -192,10 +194,13 @@ class RolloutEngine:
         self.policy, self._env_errors = policy, Counter()
         try:
             settings = RowSettings(self.config, self.template, frozenset(self.eos_ids),
-                                   has_policy=policy is not None, count_env_error=self._count_env_error)
+                                   has_policy=policy is not None, count_env_error=self._count_env_error,
+                                   simulated=self.simulator is not None)
             sampling = Sampling(self.config.temperature, self.config.top_p)
             backend = _Lazy(lambda: self.backend)   # opened only when a row needs the model
-            sim = partial(simulate, settings=settings, backend=backend, sampling=sampling, stats=stats)
+            sim = (None if self.simulator is None else
+                   partial(simulate, simulator=self.simulator, settings=settings, backend=backend,
+                           sampling=sampling, stats=stats))
             rows = [Row(settings, i, p) for i, p in enumerate(prompts)]
             # vLLM schedules every request itself (continuous batching, its own max_num_seqs): all of
             # this call's rows go to it at once. The HF backend decodes max_batch_size rows together.

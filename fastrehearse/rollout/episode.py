@@ -75,7 +75,6 @@ def rollout_metrics(rows: list[Row], episodes: list[Episode], stats: Counter, en
         "forward_calls": stats["forward_calls"],
         "token_slot_efficiency": (stats["fed_tokens"] / stats["token_slots"]) if stats["token_slots"] else 1.0,
         "segments": stats["segments"],               # model-written segments (turns, responses)
-        "simulator_prompts": stats["simulator_prompts"],
         "role_tokens": dict(role_tokens),
         "calls": dict(modes),
         "malformed": dict(malformed),

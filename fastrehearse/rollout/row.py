@@ -49,6 +49,8 @@ class RowSettings:
     stop_ids: frozenset[int]                 # end-of-sequence token ids: every segment stops there
     has_policy: bool                         # a policy says who writes each turn (else the model)
     count_env_error: Callable[[str], None]   # an env reported an error result of this kind
+    simulated: bool = False                  # a separate simulator writes rehearsed responses
+                                             # (fastrehearse.rollout.simulator), not the row itself
 
 
 class Row:
@@ -78,7 +80,7 @@ class Row:
         self.tools_changed: list[int] = []            # user turns at which the tools changed
         self.fidelity: list[FidelityScore] = []
         self.rng = random.Random(prompt.seed * 1_000_003 + 17)
-        self.waiting_sim: ParsedCall | None = None    # rehearsal="separate": a simulator writes it
+        self.waiting_sim: ParsedCall | None = None    # a rehearsed call the simulator answers
         if len(self.ids) >= self.cfg.max_episode_tokens:
             self._finish("max_episode_tokens")
         else:
@@ -284,8 +286,8 @@ class Row:
         while self.queue and not self.done:
             pc, mode = self.queue[0]
             if mode == "rehearse":
-                if self.cfg.rehearsal == "separate":
-                    self.waiting_sim = pc  # the decode loop runs the simulator prompt
+                if self.s.simulated:
+                    self.waiting_sim = pc  # the decode loop runs the simulator
                 else:
                     self._new_segment("tool")
                 return
@@ -344,7 +346,7 @@ class Row:
             self._begin_act()
 
     def on_simulated(self, tokens: list[int], logps: list[float], text: str) -> None:
-        """rehearsal="separate": the simulator's response tokens, copied in as REHEARSE."""
+        """A separate simulator's response tokens, copied in as REHEARSE."""
         pc = self.waiting_sim
         self.waiting_sim = None
         self.queue.pop(0)
