@@ -2,13 +2,13 @@
 against (the style of the paper's official code). Per rehearsed call a fresh simulator prompt (a
 system prompt, the tools, the conversation so far and the call) is decoded as its own row, on the
 engine's backend, and its tokens are copied into the episode as REHEARSE. It plugs into the engine's
-hook: `RolloutEngine(..., simulator=SeparateSimulator(template))` (fastrehearse.rollout.simulator)."""
+hook: `RolloutEngine(..., simulator=SeparateSimulator(template))` (fastrehearse.rollout.engine.simulator)."""
 from __future__ import annotations
 
 import json
 
 from fastrehearse.rollout import ChatTemplate, Prompt
-from fastrehearse.rollout.simulator import GenerateTurns, SimulatedResponse, SimulatorCall
+from fastrehearse.rollout.engine.simulator import GenerateTurns, SimulatedResponse, SimulatorCall
 
 SIMULATOR_SYSTEM = ("You simulate the tool environment of an AI agent. Given the conversation so far and "
                     "the agent's latest tool call, reply with exactly the response the tool would "

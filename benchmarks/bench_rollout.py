@@ -17,7 +17,7 @@ Prints a table, writes JSON (hardware, torch version, medians over --repeats) an
 
     python benchmarks/bench_rollout.py [--model smollm2|tiny-llama] [--tasks 8] [--json PATH]
 
-`--backends hf,vllm` instead compares the generation backends (fastrehearse/rollout/segments.py)
+`--backends hf,vllm` instead compares the generation backends (fastrehearse/rollout/backends/segments.py)
 on the same tasks with the same sampling settings, in interleaved rounds with fresh tasks every
 round (no round reuses an earlier round's prefix cache for its prompts): builtin `mixed`, a
 GRPO-shaped builtin workload (`builtin_grpo`: --tasks // group_size prompts x group_size samples,
@@ -32,6 +32,7 @@ the load at the round's start and end, and marks a round above the core count "l
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -41,12 +42,19 @@ from pathlib import Path
 
 import torch
 
+from fastrehearse.algo import local_counts
+from fastrehearse.envs import get_suite
 from fastrehearse.envs.builtin import BuiltinSuite
 from fastrehearse.kernels.roles import Role
-from fastrehearse.model import load_model
-from fastrehearse.rollout.engine import RolloutConfig, RolloutEngine
-from fastrehearse.rollout.gold import gold_replies
-from fastrehearse.rollout.template import ChatTemplate, assistant_text
+from fastrehearse.model import RehearsalModel, load_model, use_varlen_attention
+from fastrehearse.packing import pack
+from fastrehearse.rollout import RolloutConfig, RolloutEngine
+from fastrehearse.rollout.backends.vllm_backend import VLLMBackend
+from fastrehearse.rollout.backends.vllm_options import VLLMOptions
+from fastrehearse.rollout.text.gold import gold_replies
+from fastrehearse.rollout.text.template import ChatTemplate, assistant_text
+from fastrehearse.train.config import TrainConfig, load_config
+from fastrehearse.train.heads import rl_head
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_output_args, cpu_model, output_path  # noqa: E402
 from _simulator import SIMULATOR_SYSTEM, SeparateSimulator  # noqa: E402
@@ -244,12 +252,6 @@ def _raw_generate(llm, episodes, rounds=1):
 
 def _update_seconds(model, episodes):
     """The trainer's RL update on `episodes`: packed, RL loss head (fused), backward, Adam step."""
-    import copy
-    from fastrehearse.algo import local_counts
-    from fastrehearse.model import RehearsalModel, use_varlen_attention
-    from fastrehearse.packing import pack
-    from fastrehearse.train.config import TrainConfig
-    from fastrehearse.train.heads import rl_head
     m = copy.deepcopy(model)
     use_varlen_attention(m)
     m.gradient_checkpointing_enable()   # 7.5k-token BFCL episodes: activations would not fit beside the rest
@@ -271,10 +273,6 @@ def _update_seconds(model, episodes):
 
 def backends_main(args):
     """--backends: hf vs vllm, interleaved rounds (see the module docstring)."""
-    from fastrehearse.envs import get_suite
-    from fastrehearse.rollout.vllm_backend import VLLMBackend
-    from fastrehearse.rollout.engine import VLLMOptions
-    from fastrehearse.train.config import load_config
     names = args.backends.split(",")
     if any(n not in ("hf", "vllm") for n in names):
         raise SystemExit(f"--backends: expected names from hf,vllm, got {args.backends!r}")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from fastrehearse.envs.builtin import BuiltinSuite
 from fastrehearse.kernels.roles import Role
 from fastrehearse.model import load_model
 from fastrehearse.rollout import ChatTemplate, RolloutConfig, RolloutEngine
@@ -46,7 +47,6 @@ def test_separate_simulator_baseline_costs_more_prefill(llama):
 def test_bench_rollout_separate_mode_runs(llama):
     """The benchmark's run_mode, both modes on one builtin task: the same gold-forced episode, the
     separate one with one simulator prompt per rehearsed call and more prefill."""
-    from fastrehearse.envs.builtin import BuiltinSuite
     model, tok, tmpl = llama
     suite = BuiltinSuite(level="mixed", n_train=8, n_test=8)
     tasks = suite.tasks("train", limit=1)

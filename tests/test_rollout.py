@@ -13,9 +13,9 @@ import torch
 
 from fastrehearse.kernels.roles import Role
 from fastrehearse.model import load_model
-from fastrehearse.rollout.engine import RolloutConfig, RolloutEngine, Prompt
-from fastrehearse.rollout.simulator import SimulatedResponse
-from fastrehearse.rollout.template import ChatTemplate
+from fastrehearse.rollout import Prompt, RolloutConfig, RolloutEngine
+from fastrehearse.rollout.engine.simulator import SimulatedResponse
+from fastrehearse.rollout.text.template import ChatTemplate
 from _rollout_fixtures import (CalcEnv, ScriptedBias, calc_tasks, llama3_style_tokenizer,
                                           tiny_llama)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from fastrehearse.envs.base import Task, ToolEnv
-from fastrehearse.rollout.vllm_options import BACKENDS, VLLMOptions
+from fastrehearse.rollout.backends.vllm_options import BACKENDS, VLLMOptions
 
 MODES = ("rehearse", "real", "hybrid")
 MALFORMED_OUTCOMES = ("error_response", "end_episode")
@@ -28,8 +28,8 @@ class RolloutConfig:
                                         # cut agent turn is parsed like any other, as BFCL's runner
                                         # takes a cut output as the reply) or "end_episode"
     max_turns: int = 6                  # policy turns per user turn (the counter restarts at each
-                                        # user turn; one-user-turn tasks: per episode). The eval's
-                                        # old name for it was max_steps: max_turns is canonical.
+                                        # user turn; one-user-turn tasks: per episode). The eval
+                                        # CLI's --max-steps is an alias of it.
     max_episode_tokens: int = 2048      # prompt included: an episode never exceeds it
     parallel_tool_calls: bool = True    # True: a turn ends at its end-of-turn marker and may hold
                                         # several calls; False: it stops at the first </tool_call>

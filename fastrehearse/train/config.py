@@ -30,7 +30,7 @@ import yaml
 
 from fastrehearse.algo.rewards import check_task_reward
 from fastrehearse.model.loader import TinyModelOptions
-from fastrehearse.rollout.vllm_backend import VLLMUnavailable, require_vllm
+from fastrehearse.rollout.backends.vllm_backend import VLLMUnavailable, require_vllm
 
 from .schema import (  # noqa: F401 - the schema's names, imported from here by the trainer and tests
     PRECISIONS,

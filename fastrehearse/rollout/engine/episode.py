@@ -5,8 +5,8 @@ from collections import Counter
 
 from fastrehearse.data import Episode
 from fastrehearse.kernels.roles import Role
-from fastrehearse.rollout.fidelity import FidelityScore, aggregate
-from fastrehearse.rollout.row import Row
+from fastrehearse.rollout.engine.fidelity import FidelityScore, aggregate
+from fastrehearse.rollout.engine.row import Row
 
 
 def build_episode(row: Row) -> Episode:

@@ -17,10 +17,10 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Callable, Protocol
 
+from fastrehearse.rollout.backends.segments import Sampling, SegmentBackend
 from fastrehearse.rollout.config import Prompt
-from fastrehearse.rollout.decode import decode
-from fastrehearse.rollout.row import Row, RowSettings
-from fastrehearse.rollout.segments import Sampling, SegmentBackend
+from fastrehearse.rollout.engine.decode import decode
+from fastrehearse.rollout.engine.row import Row, RowSettings
 
 
 @dataclass
