@@ -7,8 +7,8 @@ What runs (the trainer's pieces, not a mock):
 1. model: the public Qwen3-1.7B config (hidden 2048, 28 layers, 16/8 heads, head_dim 128,
    intermediate 6144, vocab 151936, tied embeddings) with random weights; fp32 master weights,
    a bf16 copy for generation (as the trainer keeps a generation copy);
-2. rollout: `fastrehearse.rollout.backend.HFGenerator` (batched KV-cache decoding, sdpa) +
-   `fastrehearse.rollout.sampling.sample` at temperature 1 on `--tasks x --group` random prompts;
+2. rollout: `fastrehearse.rollout.backends.generator.HFGenerator` (batched KV-cache decoding, sdpa) +
+   `fastrehearse.rollout.backends.sampling.sample` at temperature 1 on `--tasks x --group` random prompts;
    the sampler's log-probs become the behaviour log-probs; random 0/1 rewards, group advantages
    (`fastrehearse.algo.compute_advantages`);
 3. one RL update: `RehearsalModel` (torch varlen attention over packed rows) wrapped by
@@ -47,8 +47,8 @@ from fastrehearse.kernels import PolicyLossConfig, linear_policy_loss  # noqa: E
 from fastrehearse.kernels.roles import Role  # noqa: E402
 from fastrehearse.model import ATTN_IMPL, RehearsalModel  # noqa: E402
 from fastrehearse.packing import pack  # noqa: E402
-from fastrehearse.rollout.backend import HFGenerator  # noqa: E402
-from fastrehearse.rollout.sampling import sample  # noqa: E402
+from fastrehearse.rollout.backends.generator import HFGenerator  # noqa: E402
+from fastrehearse.rollout.backends.sampling import sample  # noqa: E402
 from fastrehearse.train.parallelize import DistInfo, init_distributed, parallelize  # noqa: E402
 
 LOSS = PolicyLossConfig(w_act=1.0, w_rehearse=1.0, w_observed=0.0, clip_low=0.2, clip_high=0.28)

@@ -1,5 +1,5 @@
 """Test-time rehearsal prefill, side by side: re-prefill every private prompt (the behaviour before)
-vs prefill duplicate prompts once vs the prefix KV cache (fastrehearse/rollout/prefix_cache.py).
+vs prefill duplicate prompts once vs the prefix KV cache (fastrehearse/rollout/backends/prefix_cache.py).
 
 One real BFCL multi-turn entry (its first `--user-turns` user turns; ~7.4k-token prompts, mostly
 tool docs) runs through the evaluation engine with `RehearsalPolicy` (N drafts, `--commit` form);

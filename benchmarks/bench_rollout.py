@@ -10,14 +10,14 @@ role is played:
              into the same KV cache and the model keeps generating the response (fastrehearse).
   separate   per call, a fresh simulator prompt (system + tools + the conversation so far + the call)
              is prefilled and decoded, and its tokens are copied into the episode (the style of the
-             paper's official code).
+             paper's official code): benchmarks/_simulator.py, on the engine's simulator hook.
 
 Also: batched rollout tokens/s (all episodes in one decode batch) vs one episode at a time.
 Prints a table, writes JSON (hardware, torch version, medians over --repeats) and a PNG.
 
     python benchmarks/bench_rollout.py [--model smollm2|tiny-llama] [--tasks 8] [--json PATH]
 
-`--backends hf,vllm` instead compares the generation backends (fastrehearse/rollout/segments.py)
+`--backends hf,vllm` instead compares the generation backends (fastrehearse/rollout/backends/segments.py)
 on the same tasks with the same sampling settings, in interleaved rounds with fresh tasks every
 round (no round reuses an earlier round's prefix cache for its prompts): builtin `mixed`, a
 GRPO-shaped builtin workload (`builtin_grpo`: --tasks // group_size prompts x group_size samples,
@@ -32,6 +32,7 @@ the load at the round's start and end, and marks a round above the core count "l
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -41,14 +42,24 @@ from pathlib import Path
 
 import torch
 
+from fastrehearse.algo import local_counts
+from fastrehearse.envs import get_suite
 from fastrehearse.envs.builtin import BuiltinSuite
 from fastrehearse.kernels.roles import Role
-from fastrehearse.model import load_model
-from fastrehearse.rollout.engine import SIMULATOR_SYSTEM, RolloutConfig, RolloutEngine
-from fastrehearse.rollout.gold import gold_replies
-from fastrehearse.rollout.template import ChatTemplate, assistant_text
+from fastrehearse.model import RehearsalModel, load_model, use_varlen_attention
+from fastrehearse.packing import pack
+from fastrehearse.rollout import RolloutConfig, RolloutEngine
+from fastrehearse.rollout.backends.vllm_backend import VLLMBackend
+from fastrehearse.rollout.backends.vllm_options import VLLMOptions
+from fastrehearse.rollout.text.gold import gold_replies
+from fastrehearse.rollout.text.template import ChatTemplate, assistant_text
+from fastrehearse.train.config import TrainConfig, load_config
+from fastrehearse.train.heads import rl_head
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_output_args, cpu_model, output_path  # noqa: E402
+from _simulator import SIMULATOR_SYSTEM, SeparateSimulator  # noqa: E402
+
+REHEARSALS = ("inline", "separate")
 
 
 
@@ -113,15 +124,19 @@ class GoldScript:
 
 
 def run_mode(model, tok, tmpl, suite, tasks, *, rehearsal: str, batch: int, group: int, seed: int):
-    cfg = RolloutConfig(mode="rehearse", rehearsal=rehearsal, max_new_tokens=256, max_turns=8,
+    """One rollout of `tasks`, rehearsing "inline" (the engine) or "separate" (_simulator.py)."""
+    if rehearsal not in REHEARSALS:
+        raise ValueError(f"rehearsal must be one of {REHEARSALS}, got {rehearsal!r}")
+    cfg = RolloutConfig(mode="rehearse", max_new_tokens=256, max_turns=8,
                         max_episode_tokens=4096, max_batch_size=batch, temperature=1.0)
-    eng = RolloutEngine(model, tok, cfg, template=tmpl, logits_processor=GoldScript(tmpl, tasks))
+    sim = SeparateSimulator(tmpl) if rehearsal == "separate" else None
+    eng = RolloutEngine(model, tok, cfg, template=tmpl, logits_processor=GoldScript(tmpl, tasks), simulator=sim)
     res = eng.rollout(tasks, suite, group_size=group, seed=seed)
     m = res.metrics
     ok = sum(ep.metadata["stop_reason"] == "final_answer" for ep in res.episodes)
     return {"wall_s": m["wall_s"], "prefill_tokens": m["prefill_tokens"], "decode_tokens": m["decode_tokens"],
             "forward_calls": m["forward_calls"], "tokens_per_s": m["tokens_per_s"],
-            "decode_tokens_per_s": m["decode_tokens_per_s"], "simulator_prompts": m["simulator_prompts"],
+            "decode_tokens_per_s": m["decode_tokens_per_s"], "simulator_prompts": sim.prompts if sim else 0,
             "rehearsed_calls": m["calls"].get("rehearse", 0), "episodes": len(res.episodes),
             "episodes_finished": ok, "mean_reward": m["mean_reward"],
             "episode_tokens": sum(len(e.input_ids) for e in res.episodes),
@@ -237,12 +252,6 @@ def _raw_generate(llm, episodes, rounds=1):
 
 def _update_seconds(model, episodes):
     """The trainer's RL update on `episodes`: packed, RL loss head (fused), backward, Adam step."""
-    import copy
-    from fastrehearse.algo import local_counts
-    from fastrehearse.model import RehearsalModel, use_varlen_attention
-    from fastrehearse.packing import pack
-    from fastrehearse.train.config import TrainConfig
-    from fastrehearse.train.heads import rl_head
     m = copy.deepcopy(model)
     use_varlen_attention(m)
     m.gradient_checkpointing_enable()   # 7.5k-token BFCL episodes: activations would not fit beside the rest
@@ -264,10 +273,6 @@ def _update_seconds(model, episodes):
 
 def backends_main(args):
     """--backends: hf vs vllm, interleaved rounds (see the module docstring)."""
-    from fastrehearse.envs import get_suite
-    from fastrehearse.rollout.vllm_backend import VLLMBackend
-    from fastrehearse.rollout.engine import VLLMOptions
-    from fastrehearse.train.config import load_config
     names = args.backends.split(",")
     if any(n not in ("hf", "vllm") for n in names):
         raise SystemExit(f"--backends: expected names from hf,vllm, got {args.backends!r}")

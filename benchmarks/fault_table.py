@@ -519,7 +519,7 @@ def _vllm_run_until(d, n, timeout=900):
 
 
 def case_vllm_owner_killed(tmp):
-    """The vLLM engine runs inside the trainer's process (rollout/vllm_backend.py): killing the
+    """The vLLM engine runs inside the trainer's process (rollout/backends/vllm_backend.py): killing the
     trainer must leave no process of it behind."""
     import psutil
     d = tmp / "vllm_owner"

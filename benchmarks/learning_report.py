@@ -121,7 +121,7 @@ def call_success(suite, task, transcript: list[dict]) -> float:
     parsed them."""
     from fastrehearse.envs.base import Trajectory
     from fastrehearse.envs.builtin.tools import SCHEMAS
-    from fastrehearse.rollout.toolcall import parse_tool_calls
+    from fastrehearse.rollout.text.toolcall import parse_tool_calls
     schemas = [SCHEMAS[t] for t in task.payload["tools"]]
     msgs = []
     for m in transcript:

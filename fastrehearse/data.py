@@ -28,7 +28,7 @@ class Episode:
     # Per-token advantages, what packing reads (None: 0 everywhere); computed by
     # fastrehearse.algo.compute_advantages and set on new episodes by `with_advantages`.
     advantages: list[float] | None = None
-    # The engine's record (fastrehearse/rollout/engine.py): stop_reason, turns, user_turns, calls,
+    # The engine's record (fastrehearse/rollout/engine/engine.py): stop_reason, turns, user_turns, calls,
     # malformed, prompt_tokens, fidelity, seed, group/sample; when present: tools_changed, policy,
     # drift, error (the episode could not run or be scored to its end: its reward is not a result).
     metadata: dict[str, Any] = field(default_factory=dict)

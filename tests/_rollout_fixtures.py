@@ -164,7 +164,7 @@ class ScriptedBias:
     A pure function of (context, roles), as the engine requires."""
 
     def __init__(self, template, *, bias: float = 15.0, parallel: bool = False):
-        from fastrehearse.rollout.template import format_tool_call
+        from fastrehearse.rollout.text.template import format_tool_call
         enc, end = template.encode, template.assistant_end_markers[0]
         call = format_tool_call("add", {"a": 2, "b": 3})
         if parallel:

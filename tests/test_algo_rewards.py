@@ -312,7 +312,7 @@ def test_assign_rewards_tags_hybrid_strata_only_in_hybrid():
 @pytest.fixture(scope="module")
 def llama():
     from fastrehearse.model.loader import load_model
-    from fastrehearse.rollout.template import ChatTemplate
+    from fastrehearse.rollout.text.template import ChatTemplate
     model, tok = load_model("tiny-llama")
     return model, tok, ChatTemplate(tok)
 
@@ -323,7 +323,7 @@ def test_trainer_rollout_assigns_the_configured_rewards(llama, monkeypatch):
     import functools
     import types
 
-    from fastrehearse.rollout.template import assistant_text
+    from fastrehearse.rollout.text.template import assistant_text
     from _rollout_fixtures import ScriptedTurns
     from fastrehearse.train import rollouts
     from fastrehearse.train.config import load_config
@@ -350,12 +350,12 @@ def test_trainer_rollout_assigns_the_configured_rewards(llama, monkeypatch):
 
 
 def _engine_episode(task, traj, malformed: dict):
-    """What the rollout engine builds from a finished row (rollout/episode.py), for a row that ran
+    """What the rollout engine builds from a finished row (rollout/engine/episode.py), for a row that ran
     `traj` against the builtin world."""
     from types import SimpleNamespace
 
     from fastrehearse.rollout.config import RolloutConfig
-    from fastrehearse.rollout.episode import build_episode
+    from fastrehearse.rollout.engine.episode import build_episode
     p = SimpleNamespace(task=task, seed=0, input_ids=[1])
     row = SimpleNamespace(p=p, env=EASY.make_env(), error=None, traj=traj, malformed=malformed,
                           cfg=RolloutConfig(), stop_reason="final_answer",

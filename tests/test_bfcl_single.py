@@ -29,7 +29,7 @@ def entries():
 
 def as_text(calls: list[dict]) -> str:
     """Gold calls as the policy would write them (the rollout's tool-call blocks)."""
-    from fastrehearse.rollout.template import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+    from fastrehearse.rollout.text.template import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
     return "".join(f"{TOOL_CALL_OPEN}{json.dumps(c)}{TOOL_CALL_CLOSE}" for c in calls)
 
 

@@ -178,7 +178,7 @@ def test_engine_fidelity_split_by_label_on_a_rehearsed_episode():
     from fastrehearse.envs.base import ToolCall
     from fastrehearse.envs.builtin import BuiltinEnv
     from fastrehearse.eval.harness import _fidelity
-    from fastrehearse.rollout.fidelity import FidelityScore, aggregate
+    from fastrehearse.rollout.engine.fidelity import FidelityScore, aggregate
     t = _task("deposit_and_confirm")
     env = BuiltinEnv()
     env.reset(t)

@@ -9,9 +9,9 @@ import torch
 
 from fastrehearse.envs.builtin import BuiltinSuite
 from fastrehearse.kernels.roles import Role
-from fastrehearse.rollout.engine import RolloutConfig, RolloutEngine
-from fastrehearse.rollout.policy import GoldPolicy, ScriptedPolicy
-from fastrehearse.rollout.template import assistant_text
+from fastrehearse.rollout import RolloutConfig, RolloutEngine
+from fastrehearse.rollout.engine.policy import GoldPolicy, ScriptedPolicy
+from fastrehearse.rollout.text.template import assistant_text
 from _rollout_fixtures import smollm2_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

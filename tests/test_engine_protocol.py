@@ -8,9 +8,9 @@ import pytest
 from fastrehearse.envs import get_suite
 from fastrehearse.envs.base import ResetResult, Task, ToolEnv
 from fastrehearse.kernels.roles import Role
-from fastrehearse.rollout.engine import RolloutConfig, RolloutEngine
-from fastrehearse.rollout.policy import ModelPolicy, ScriptedPolicy, Turn
-from fastrehearse.rollout.template import ChatTemplate, format_tool_call
+from fastrehearse.rollout import RolloutConfig, RolloutEngine
+from fastrehearse.rollout.engine.policy import ModelPolicy, ScriptedPolicy, Turn
+from fastrehearse.rollout.text.template import ChatTemplate, format_tool_call
 from _rollout_fixtures import (LLAMA31_TEMPLATE, QWEN25_TEMPLATE, CalcEnv, MultiTurnCalcEnv,
                                           llama3_style_tokenizer, smollm2_tokenizer)
 
@@ -179,7 +179,7 @@ def test_policy_may_rehearse_privately_with_the_same_engine():
     shape of test-time rehearsal -- leaves the outer episode intact: the outer policy keeps being
     asked, the env is never touched by the rehearsal, the private row only rehearses."""
     from fastrehearse.model import load_model
-    from fastrehearse.rollout.engine import Prompt
+    from fastrehearse.rollout import Prompt
     model, tok = load_model("tiny-llama")
     tmpl = ChatTemplate(tok)
     eng = RolloutEngine(model, tok, RolloutConfig(mode="real", max_new_tokens=4, max_turns=2), template=tmpl)

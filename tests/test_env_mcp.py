@@ -121,8 +121,8 @@ def test_episodes_are_isolated(tmp_path):
 
 def _engine_rollout(s, mode, measure_fidelity=False):
     from fastrehearse.rollout import RolloutConfig, RolloutEngine
-    from fastrehearse.rollout.policy import ScriptedPolicy
-    from fastrehearse.rollout.template import assistant_text
+    from fastrehearse.rollout.engine.policy import ScriptedPolicy
+    from fastrehearse.rollout.text.template import assistant_text
     from _rollout_fixtures import smollm2_tokenizer, tiny_llama
     tok = smollm2_tokenizer()
     call = assistant_text({"role": "assistant", "content": "", "tool_calls": [

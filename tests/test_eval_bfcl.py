@@ -12,8 +12,8 @@ from fastrehearse.eval import aggregate, cli  # noqa: E402
 from fastrehearse.eval.harness import HarnessConfig, run_items  # noqa: E402
 from fastrehearse.eval.results import ResultStore  # noqa: E402
 from fastrehearse.eval.runner import EvalSettings, eval_engine  # noqa: E402
-from fastrehearse.rollout.policy import GoldPolicy, ScriptedPolicy  # noqa: E402
-from fastrehearse.rollout.template import assistant_text  # noqa: E402
+from fastrehearse.rollout.engine.policy import GoldPolicy, ScriptedPolicy  # noqa: E402
+from fastrehearse.rollout.text.template import assistant_text  # noqa: E402
 from fastrehearse.eval.bfcl_suite import BfclSingleTurnSuite  # noqa: E402
 from fastrehearse.eval.suites import BFCL_MULTI, BFCL_SINGLE  # noqa: E402
 

@@ -11,7 +11,7 @@ from fastrehearse.eval.results import ResultStore, per_category
 from fastrehearse.eval.runner import EvalSettings, eval_engine
 from fastrehearse.kernels.roles import Role
 from fastrehearse.model import load_tokenizer
-from fastrehearse.rollout.policy import GoldPolicy, ScriptedPolicy
+from fastrehearse.rollout.engine.policy import GoldPolicy, ScriptedPolicy
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +219,7 @@ def test_fidelity_under_drift(tmp_path, tok):
     response is the *pre-drift* real response matches exactly without drift and loses the renamed
     fields under drift."""
     from fastrehearse.model import load_model
-    from fastrehearse.rollout.engine import RolloutConfig, RolloutEngine
+    from fastrehearse.rollout import RolloutConfig, RolloutEngine
 
     model, tok = load_model("tiny-llama")
     call = '<tool_call>\n{"name": "get_balance", "arguments": {}}\n</tool_call>'

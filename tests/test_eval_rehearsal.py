@@ -10,8 +10,8 @@ from fastrehearse.eval.rehearsal import (MEMORY_HEAD, RehearsalPolicy, judge, lo
 from fastrehearse.eval.results import ResultStore
 from fastrehearse.eval.runner import EvalSettings, eval_engine
 from fastrehearse.kernels.roles import Role
-from fastrehearse.rollout.policy import ModelPolicy, ScriptedPolicy
-from fastrehearse.rollout.template import assistant_text, format_tool_call
+from fastrehearse.rollout.engine.policy import ModelPolicy, ScriptedPolicy
+from fastrehearse.rollout.text.template import assistant_text, format_tool_call
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ import pytest
 
 from fastrehearse.eval import cli
 from fastrehearse.eval.runner import EVAL_ROLLOUT, EvalSettings, eval_engine
-from fastrehearse.rollout.engine import RolloutConfig, VLLMOptions
+from fastrehearse.rollout import RolloutConfig
+from fastrehearse.rollout.backends.vllm_options import VLLMOptions
 
 
 @pytest.fixture(scope="module")
@@ -23,14 +24,14 @@ def tok():
 TRAIN_ROLLOUT = dict(mode="hybrid", hybrid_p=0.2, temperature=0.7, top_p=0.9, max_new_tokens=40,
                      on_max_new_tokens="end_episode", max_turns=3, max_episode_tokens=999,
                      parallel_tool_calls=False, on_malformed="end_episode",
-                     max_batch_size=5, max_chunk=7, rehearsal="separate",
+                     max_batch_size=5, max_chunk=7,
                      backend="vllm", vllm=VLLMOptions(kv_cache_gib=3, enforce_eager=True))
 
 
 def test_from_rollout_carries_every_engine_field(tok, monkeypatch):
     # the engine's config is compared, no vLLM is started: the installed-vLLM check is not the
     # subject (a machine without vLLM's CPU build runs this test too)
-    monkeypatch.setattr("fastrehearse.rollout.vllm_backend.require_vllm", lambda: None)
+    monkeypatch.setattr("fastrehearse.rollout.backends.vllm_backend.require_vllm", lambda: None)
     rc = RolloutConfig(**TRAIN_ROLLOUT)
     assert {f.name for f in dataclasses.fields(RolloutConfig)} - set(TRAIN_ROLLOUT) == \
         {"measure_fidelity"}          # the test covers every field the eval does not set itself

@@ -12,8 +12,8 @@ from fastrehearse.eval import cli  # noqa: E402
 from fastrehearse.eval.harness import HarnessConfig, run_items  # noqa: E402
 from fastrehearse.eval.results import ResultStore  # noqa: E402
 from fastrehearse.eval.runner import EvalSettings, eval_engine  # noqa: E402
-from fastrehearse.rollout.policy import ScriptedPolicy  # noqa: E402
-from fastrehearse.rollout.template import assistant_text, format_tool_call  # noqa: E402
+from fastrehearse.rollout.engine.policy import ScriptedPolicy  # noqa: E402
+from fastrehearse.rollout.text.template import assistant_text, format_tool_call  # noqa: E402
 
 
 def _res(out):
@@ -159,7 +159,7 @@ def test_evaluator_crash_is_an_error_retried_on_rerun(tmp_path, monkeypatch, eng
     from fastrehearse.envs import get_suite
     from fastrehearse.envs.tau2 import import_tau2
     from fastrehearse.eval.results import per_category
-    from fastrehearse.rollout.policy import GoldPolicy
+    from fastrehearse.rollout.engine.policy import GoldPolicy
 
     suite = get_suite("tau2")
     task = suite.tasks("telecom", limit=1)[0]

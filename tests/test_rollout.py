@@ -13,8 +13,9 @@ import torch
 
 from fastrehearse.kernels.roles import Role
 from fastrehearse.model import load_model
-from fastrehearse.rollout.engine import RolloutConfig, RolloutEngine, Prompt
-from fastrehearse.rollout.template import ChatTemplate
+from fastrehearse.rollout import Prompt, RolloutConfig, RolloutEngine
+from fastrehearse.rollout.engine.simulator import SimulatedResponse
+from fastrehearse.rollout.text.template import ChatTemplate
 from _rollout_fixtures import (CalcEnv, ScriptedBias, calc_tasks, llama3_style_tokenizer,
                                           tiny_llama)
 
@@ -263,14 +264,54 @@ def test_private_rehearsal_from_prefix(llama):
     assert res.metrics["calls"].get("rehearse", 0) > 0
 
 
-def test_separate_simulator_baseline_costs_more_prefill(llama):
+class EchoSimulator:
+    """A simulator that decodes nothing: every response is the call's name as JSON."""
+
+    def __init__(self, tmpl):
+        self.tmpl, self.calls = tmpl, []
+
+    def respond(self, calls, generate):
+        self.calls += calls
+        out = []
+        for c in calls:
+            text = json.dumps({"called": json.loads(c.call)["name"]})
+            out.append(SimulatedResponse(self.tmpl.encode(text), [math.nan] * len(self.tmpl.encode(text)),
+                                         f" {text}\n"))
+        return out
+
+
+def test_simulator_hook_writes_the_rehearsed_responses(llama):
+    """RolloutEngine(simulator=...): each rehearsed call goes to the simulator (the conversation so
+    far, the tools, the call's text) and its tokens are copied into the episode as REHEARSE; the
+    trajectory records its text, stripped."""
     model, tok, tmpl = llama
-    _, inline = run(model, tok, tmpl, seed=2, mode="rehearse")
-    eng, sep = run(model, tok, tmpl, seed=2, mode="rehearse", rehearsal="separate")
-    assert sep.metrics["simulator_prompts"] > 0
-    assert sep.metrics["prefill_tokens"] > inline.metrics["prefill_tokens"]
-    for ep in sep.episodes:
-        assert len(ep.input_ids) == len(ep.roles) <= eng.config.max_episode_tokens
+    sim = EchoSimulator(tmpl)
+    eng = RolloutEngine(model, tok, RolloutConfig(mode="rehearse", max_new_tokens=48, max_episode_tokens=700,
+                                                  max_turns=3),
+                        template=tmpl, logits_processor=ScriptedBias(tmpl), simulator=sim)
+    res = eng.rollout(calc_tasks(2), CountingEnv, group_size=2, seed=2)
+    assert len(sim.calls) == res.metrics["calls"]["rehearse"] > 0
+    assert all(json.loads(c.call)["name"] == "add" for c in sim.calls)
+    assert all(c.tools and c.messages[-1]["role"] == "assistant" for c in sim.calls)
+    want = tmpl.encode('{"called": "add"}')
+    for ep, traj in zip(res.episodes, res.trajectories):
+        rehearsed = [m["content"] for m in traj.messages if m["role"] == "tool"]
+        assert all(t == '{"called": "add"}' for t in rehearsed)
+        reh = [t for t, r in zip(ep.input_ids, ep.roles) if r == Role.REHEARSE]
+        assert reh == want * len(rehearsed)
+
+
+def test_simulator_must_answer_every_call(llama):
+    model, tok, tmpl = llama
+
+    class Silent:
+        def respond(self, calls, generate):
+            return []
+
+    eng = RolloutEngine(model, tok, RolloutConfig(mode="rehearse", max_new_tokens=48, max_episode_tokens=700),
+                        template=tmpl, logits_processor=ScriptedBias(tmpl, bias=1e4), simulator=Silent())
+    with pytest.raises(ValueError, match=r"simulator.respond returned 0 responses for 2 calls"):
+        eng.rollout(calc_tasks(1), CountingEnv, group_size=2, seed=0)
 
 
 def test_episodes_pack_round_trip(llama):

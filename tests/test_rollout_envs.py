@@ -8,10 +8,10 @@ import torch
 from fastrehearse.envs.builtin import BuiltinSuite
 from fastrehearse.kernels.roles import Role
 from fastrehearse.model import load_model
-from fastrehearse.rollout.engine import RolloutConfig, RolloutEngine
-from fastrehearse.rollout.fidelity import aggregate, json_fields, score_pair
-from fastrehearse.rollout.sampling import sample
-from fastrehearse.rollout.template import ChatTemplate, assistant_text
+from fastrehearse.rollout import RolloutConfig, RolloutEngine
+from fastrehearse.rollout.backends.sampling import sample
+from fastrehearse.rollout.engine.fidelity import aggregate, json_fields, score_pair
+from fastrehearse.rollout.text.template import ChatTemplate, assistant_text
 from _rollout_fixtures import ScriptedTurns
 
 

@@ -1,4 +1,4 @@
-"""One rendering of gold trajectories (fastrehearse/rollout/gold.py) for its three users: the SFT
+"""One rendering of gold trajectories (fastrehearse/rollout/text/gold.py) for its three users: the SFT
 warm-up's episodes, the teacher-forced log-probs and GoldPolicy's forced turns all give the tokens
 and texts each of them wrote out by hand before (the reference below is that code)."""
 from __future__ import annotations
@@ -14,9 +14,9 @@ from fastrehearse.envs.builtin import BuiltinSuite
 from fastrehearse.eval.teacher_forced import _render_gold
 from fastrehearse.kernels.roles import Role
 from fastrehearse.model.loader import load_tokenizer
-from fastrehearse.rollout.gold import gold_replies, render_gold
-from fastrehearse.rollout.policy import GoldPolicy, TurnRequest
-from fastrehearse.rollout.template import ChatTemplate, assistant_text
+from fastrehearse.rollout.engine.policy import GoldPolicy, TurnRequest
+from fastrehearse.rollout.text.gold import gold_replies, render_gold
+from fastrehearse.rollout.text.template import ChatTemplate, assistant_text
 from fastrehearse.train.tasks import _tag_turn_ends, gold_episode
 
 

@@ -5,8 +5,8 @@ cache commits the same episodes as without it while prefilling far fewer tokens.
 import pytest
 import torch
 
-from fastrehearse.rollout.backend import HFGenerator
-from fastrehearse.rollout.prefix_cache import PrefixCache
+from fastrehearse.rollout.backends.generator import HFGenerator
+from fastrehearse.rollout.backends.prefix_cache import PrefixCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -183,7 +183,7 @@ def test_grpo_group_prompts_are_prefilled_once(tiny_tok):
     """A training rollout's group shares one prompt per task: its first forward computes each
     prompt once (prefill_reused_tokens counts the copies); the episodes equal a no-dedupe run's."""
     from fastrehearse.envs.builtin import BuiltinSuite
-    from fastrehearse.rollout.engine import RolloutConfig, RolloutEngine
+    from fastrehearse.rollout import RolloutConfig, RolloutEngine
 
     model, tok = tiny_tok
     suite = BuiltinSuite()

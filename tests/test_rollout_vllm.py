@@ -1,4 +1,4 @@
-"""The vLLM rollout backend (fastrehearse/rollout/vllm_backend.py) on the real vllm(-cpu) package:
+"""The vLLM rollout backend (fastrehearse/rollout/backends/vllm_backend.py) on the real vllm(-cpu) package:
 one vLLM instance for the whole module (its start-up dominates: ~40-60 s on 2 CPU cores with
 enforce_eager), a tiny random Llama in fp32.
 
@@ -23,10 +23,11 @@ from fastrehearse.kernels.roles import Role
 from fastrehearse.model import RehearsalModel, load_model, use_varlen_attention
 from fastrehearse.model.loader import TinyModelOptions
 from fastrehearse.packing import build_packed_batch
-from fastrehearse.rollout.engine import RolloutConfig, RolloutEngine, VLLMOptions
-from fastrehearse.rollout.policy import ScriptedPolicy
-from fastrehearse.rollout.segments import Sampling, SegmentRequest
-from fastrehearse.rollout.template import ChatTemplate, format_tool_call
+from fastrehearse.rollout import RolloutConfig, RolloutEngine
+from fastrehearse.rollout.backends.segments import Sampling, SegmentRequest
+from fastrehearse.rollout.backends.vllm_options import VLLMOptions
+from fastrehearse.rollout.engine.policy import ScriptedPolicy
+from fastrehearse.rollout.text.template import ChatTemplate, format_tool_call
 from _rollout_fixtures import CalcEnv, calc_tasks
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
@@ -54,7 +55,7 @@ def vllm_backend(tiny):
     """The process's shared instance (what RolloutEngine(config.backend="vllm") and the eval CLI
     find for this model object), started once for the module."""
     import psutil
-    from fastrehearse.rollout.vllm_backend import close_shared, shared_backend
+    from fastrehearse.rollout.backends.vllm_backend import close_shared, shared_backend
     model, tok, _ = tiny
     served = copy.deepcopy(model)     # the weight-sync test updates it (and restores it)
     before = {c.pid for c in psutil.Process().children(recursive=True)}
@@ -184,7 +185,7 @@ def test_weight_sync_serves_the_updated_model(tiny, vllm_backend):
 
 
 def test_vllm_missing_is_one_line_naming_the_package(tiny, monkeypatch):
-    from fastrehearse.rollout import vllm_backend as vb
+    from fastrehearse.rollout.backends import vllm_backend as vb
     model, tok, tmpl = tiny
     real = importlib.util.find_spec
     monkeypatch.setattr(vb.importlib.util, "find_spec", lambda n, *a: None if n == "vllm" else real(n, *a))
@@ -194,7 +195,7 @@ def test_vllm_missing_is_one_line_naming_the_package(tiny, monkeypatch):
 
 
 def test_kv_cache_too_small_is_refused_before_start(tiny):
-    from fastrehearse.rollout.vllm_backend import VLLMBackend, VLLMStartError, kv_bytes_per_token
+    from fastrehearse.rollout.backends.vllm_backend import VLLMBackend, VLLMStartError, kv_bytes_per_token
     model, tok, _ = tiny
     too_many = (1 << 30) // kv_bytes_per_token(model) + 1
     with pytest.raises(VLLMStartError) as e:

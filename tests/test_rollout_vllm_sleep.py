@@ -1,4 +1,4 @@
-"""What only CUDA runs in the vLLM backend (fastrehearse/rollout/vllm_backend.py), checked against a
+"""What only CUDA runs in the vLLM backend (fastrehearse/rollout/backends/vllm_backend.py), checked against a
 fake engine that records its calls: sleep mode around the update and the wake order of the weight
 sync. Plus the streaming of weights (one full tensor alive at a time, tied heads served twice)
 and the refusal of tensor parallelism. None of this needs vLLM installed."""
@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from fastrehearse.rollout.vllm_backend import (
+from fastrehearse.rollout.backends.vllm_backend import (
     VLLMBackend,
     load_into_engine,
     serving_weights,
 )
-from fastrehearse.rollout.vllm_options import VLLMOptions
+from fastrehearse.rollout.backends.vllm_options import VLLMOptions
 
 
 class FakeLLM:

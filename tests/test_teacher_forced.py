@@ -13,7 +13,7 @@ from fastrehearse.envs.builtin.tools import RESPONSES
 from fastrehearse.eval.teacher_forced import fidelity_split, gold_logprobs, main, rehearsal_fidelity, summarize
 from fastrehearse.kernels.roles import Role
 from fastrehearse.model.loader import load_model
-from fastrehearse.rollout.template import ChatTemplate
+from fastrehearse.rollout.text.template import ChatTemplate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SUITE = BuiltinSuite(level="easy@-accounts", tools="task", easy_answer=True)

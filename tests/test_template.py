@@ -1,4 +1,4 @@
-"""Role-tagged chat-template rendering (fastrehearse.rollout.template).
+"""Role-tagged chat-template rendering (fastrehearse.rollout.text.template).
 
 Templates: the real SmolLM2 tokenizer's own template (no tool support -> fastrehearse's default
 tool-aware ChatML), and test replicas of the Qwen2.5 and Llama-3.1 template structures
@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastrehearse.kernels.roles import Role
-from fastrehearse.rollout.template import ChatTemplate, assistant_text, template_supports_tools
+from fastrehearse.rollout.text.template import ChatTemplate, assistant_text, template_supports_tools
 from _rollout_fixtures import (CALC_TOOLS, LLAMA31_TEMPLATE, QWEN25_TEMPLATE,
                                           llama3_style_tokenizer, smollm2_tokenizer)
 

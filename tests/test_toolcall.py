@@ -1,12 +1,12 @@
-"""Tool-call parser (fastrehearse.rollout.toolcall): kinds of malformed calls, schema checks, fuzzing."""
+"""Tool-call parser (fastrehearse.rollout.text.toolcall): kinds of malformed calls, schema checks, fuzzing."""
 import json
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastrehearse.rollout.template import format_tool_call
-from fastrehearse.rollout.toolcall import ERROR_KINDS, parse_tool_calls, validate
+from fastrehearse.rollout.text.template import format_tool_call
+from fastrehearse.rollout.text.toolcall import ERROR_KINDS, parse_tool_calls, validate
 from _rollout_fixtures import CALC_TOOLS
 
 NESTED = [{"type": "function", "function": {"name": "book", "parameters": {

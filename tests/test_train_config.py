@@ -200,10 +200,43 @@ def test_every_preset_validates_with_vllm(preset):
     assert cfg.rollout.engine.backend == "vllm" and cfg.rollout.engine.vllm.tensor_parallel_size == 1
 
 
-def test_separate_rehearsal_is_not_a_training_setting():
-    """rehearsal='separate' is the rollout benchmark's baseline: refused in training in one line."""
-    with pytest.raises(ConfigError, match=r"'rollout.rehearsal' = 'separate': training rehearses inline"):
-        load_config(CONFIGS / "smoke.yaml", ["rollout.rehearsal=separate"])
+def test_rehearsal_key_is_gone(tmp_path, capsys):
+    """rollout.rehearsal is no key: training always rehearses inline, and the separate-simulator
+    baseline is the rollout benchmark's (benchmarks/bench_rollout.py). 'inline' (what every run
+    does) loads with a one-line notice; 'separate' is refused in one line naming the benchmark."""
+    assert "rehearsal" not in RolloutConfig.__dataclass_fields__
+    notice = ("fastrehearse: config key 'rollout.rehearsal' was removed; its old default 'inline' is "
+              "what every run does (ignored: delete it from the config)")
+    p = _yaml(tmp_path, "rollout:\n  rehearsal: inline\n  max_turns: 3\n")
+    assert to_dict(load_config(p)) == to_dict(load_config(None, ["rollout.max_turns=3"]))
+    assert capsys.readouterr().err.splitlines() == [notice]
+    load_config(None, ["rollout.rehearsal=inline"])
+    assert capsys.readouterr().err.splitlines() == [notice]
+    for cfg in (_yaml(tmp_path, "rollout:\n  rehearsal: separate\n"), None):
+        with pytest.raises(ConfigError) as e:
+            load_config(cfg, [] if cfg else ["rollout.rehearsal=separate"])
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith("config key 'rollout.rehearsal' was removed: 'separate'")
+        assert "benchmarks/bench_rollout.py" in msg and "(got 'separate')" in msg
+    assert "rehearsal" not in to_dict(load_config(None))["rollout"]
+
+
+def test_resume_reads_a_saved_config_with_the_rehearsal_key(tmp_path):
+    """A run saved while rollout.rehearsal was a key (its config.yaml says `rehearsal: inline`)
+    resumes: the key compares as unchanged, and a real change beside it is still refused."""
+    cfg = load_config(None, [f"run_dir={tmp_path}"])
+    step = tmp_path / "checkpoints" / "step_00000002"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("{}")
+    old = to_dict(cfg)
+    old["rollout"] = {**old["rollout"], "rehearsal": "inline"}
+    (step / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    assert resume_changes(old, to_dict(cfg)) == ([], [])
+    assert _check_run_dir(cfg, resume=True, overwrite=False) == []
+    assert to_dict(load_config(step / "config.yaml")) == to_dict(cfg)     # the saved file loads too
+    changed = load_config(None, [f"run_dir={tmp_path}", "rollout.max_turns=2"])
+    with pytest.raises(ConfigError, match=r"--resume cannot change 'rollout.max_turns' 6 -> 2"):
+        _check_run_dir(changed, resume=True, overwrite=False)
 
 
 OLD_PATHS = "algo:\n  std_normalize: true\n  leave_one_out: true\n  world_reward: {mode: world, gate: act_signal}\n"

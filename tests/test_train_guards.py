@@ -48,7 +48,7 @@ def test_nonfinite_steps_are_skipped_then_stop(run):
 
 
 def test_rollout_failures_are_counted_not_fatal(run, monkeypatch):
-    from fastrehearse.rollout import engine as eng
+    from fastrehearse.rollout.engine import engine as eng
     real = eng.RolloutEngine.rollout
     bad = run.train_tasks[1].id
 
@@ -70,7 +70,7 @@ def test_rollout_failures_are_counted_not_fatal(run, monkeypatch):
 def test_episode_that_could_not_be_scored_is_not_trained_on(run, monkeypatch):
     """An episode whose env crashed or whose score failed has reward 0 and metadata["error"]: a
     failure, counted and dropped, never a training reward of 0."""
-    from fastrehearse.rollout import engine as eng
+    from fastrehearse.rollout.engine import engine as eng
     real = eng.RolloutEngine.rollout
 
     def scoring_crash(self, tasks, envs, **kw):
@@ -119,7 +119,7 @@ def test_sft_without_gold_is_refused_before_the_model_loads(tmp_path, monkeypatc
 def test_prompt_length_warning_goes_to_the_run_log(run):
     """Some (not all) prompts fill max_episode_tokens: the warning is returned for the run's logger
     (it was a bare print); none: nothing."""
-    from fastrehearse.rollout.template import ChatTemplate
+    from fastrehearse.rollout.text.template import ChatTemplate
     from fastrehearse.train.tasks import check_prompt_lengths
     cfg, tasks, tmpl = run.cfg, run.train_tasks[:16], ChatTemplate(run.tokenizer)
     lens = []

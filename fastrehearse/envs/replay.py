@@ -70,7 +70,7 @@ def exchanges_of(messages: list[dict]) -> list[Exchange]:
     error response) but no Exchange: an assistant message's `raw_text` is re-split into all its
     call blocks (syntax only, as the engine splits them), so the tool messages line up with the
     blocks; without `raw_text` (gold and hand-written trajectories) they line up with `tool_calls`."""
-    from fastrehearse.rollout.toolcall import parse_tool_calls   # lazy: envs do not need rollout
+    from fastrehearse.rollout.text.toolcall import parse_tool_calls   # lazy: envs do not need rollout
     out: list[Exchange] = []
     slots: list[Exchange | None] = []    # this turn's call blocks waiting for their tool message
     for m in messages:

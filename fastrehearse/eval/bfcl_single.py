@@ -11,7 +11,7 @@ live_irrelevance (pass when the model makes no call).
     gold = gold_calls(entry)                           # [{"name", "arguments"}] that pass
 
 `model_output` may be the assistant text (`<tool_call>{...}</tool_call>` blocks, parsed with
-fastrehearse.rollout.toolcall), an assistant message dict (its "tool_calls", else its "content"),
+fastrehearse.rollout.text.toolcall), an assistant message dict (its "tool_calls", else its "content"),
 or a list of calls ({"name", "arguments"}, OpenAI {"function": {...}}, or ToolCall).
 
 Decoding follows BFCL: an output with a malformed call block does not decode; for AST categories
@@ -103,7 +103,7 @@ def decode(model_output: Any) -> Decoded:
         if model_output is None:
             return Decoded()
         if isinstance(model_output, str):
-            from fastrehearse.rollout.toolcall import parse_tool_calls
+            from fastrehearse.rollout.text.toolcall import parse_tool_calls
             parsed = parse_tool_calls(model_output, tools=None)
             bad = [p for p in parsed.calls if not p.ok]
             if bad:

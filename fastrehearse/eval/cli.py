@@ -27,8 +27,8 @@ from fastrehearse.eval.rehearsal import DEFAULT_PREFIX_CACHE_BYTES
 from fastrehearse.eval.rehearsal import FORMS as REHEARSAL_FORMS, MODES as REHEARSAL_MODES
 from fastrehearse.eval.results import ResultStore, per_category
 from fastrehearse.eval.runner import EVAL_ROLLOUT, EvalSettings, evaluate_items, fidelity_pending
-from fastrehearse.rollout.vllm_options import BACKENDS
-from fastrehearse.rollout.engine import CUT_OUTCOMES, MALFORMED_OUTCOMES
+from fastrehearse.rollout.backends.vllm_options import BACKENDS
+from fastrehearse.rollout.config import CUT_OUTCOMES, MALFORMED_OUTCOMES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,7 +170,7 @@ def load(args: argparse.Namespace, loaded=None):
             raise UsageError(f"--policy {args.policy}: {e}") from None
     model, tok = loaded
     if args.policy == "gold":
-        from fastrehearse.rollout.policy import GoldPolicy
+        from fastrehearse.rollout.engine.policy import GoldPolicy
         return model, tok, GoldPolicy()
     if args.rehearsal_budget:
         from fastrehearse.eval.rehearsal import RehearsalPolicy
@@ -179,7 +179,7 @@ def load(args: argparse.Namespace, loaded=None):
             horizon=args.rehearsal_horizon, temperature=args.rehearsal_temperature,
             max_new_tokens=args.max_new_tokens, max_episode_tokens=args.max_episode_tokens,
             prefix_cache_bytes=int(args.rehearsal_cache_gib * 2**30), backend=args.backend)
-    from fastrehearse.rollout.policy import ModelPolicy
+    from fastrehearse.rollout.engine.policy import ModelPolicy
     return model, tok, ModelPolicy()
 
 
@@ -312,7 +312,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--time-limit-s must be > 0, got {args.time_limit_s}")
     args.device, args.dtype = resolve_device_dtype(args.device, args.dtype)
     if args.backend == "vllm" and args.policy != "gold":   # gold forces every turn: nothing to serve
-        from fastrehearse.rollout.vllm_backend import VLLMUnavailable, require_vllm
+        from fastrehearse.rollout.backends.vllm_backend import VLLMUnavailable, require_vllm
         try:
             require_vllm()
         except VLLMUnavailable as e:
@@ -408,7 +408,7 @@ def _start_backend(model, tok, s: EvalSettings) -> float:
     if s.rollout.backend != "vllm" or model is None:
         return 0.0
     from fastrehearse.eval.runner import eval_engine
-    from fastrehearse.rollout.vllm_backend import VLLMStartError
+    from fastrehearse.rollout.backends.vllm_backend import VLLMStartError
     try:
         return eval_engine(model, tok, s).backend.startup_s
     except VLLMStartError as e:

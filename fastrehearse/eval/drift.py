@@ -227,7 +227,7 @@ def _call_names(message: dict) -> list[str]:
     """Tool names an assistant message called, valid or not (syntax-only parse of its raw text)."""
     raw = message.get("raw_text")
     if isinstance(raw, str):
-        from fastrehearse.rollout.toolcall import parse_tool_calls
+        from fastrehearse.rollout.text.toolcall import parse_tool_calls
         return [c.call.name for c in parse_tool_calls(raw, None).calls if c.ok]
     return [tc.get("function", tc).get("name") for tc in message.get("tool_calls") or []]
 

@@ -4,7 +4,7 @@ Evaluation drives no episode itself: `fastrehearse.rollout.RolloutEngine` (the s
 training uses) runs each item against its real environment -- tool calls, malformed-call feedback,
 user turns (scripted BFCL turns, a tau2 user simulator), tools that change mid-task, the agent's stop
 tool, single-turn tasks graded on the calls -- and the environment scores the trajectory. What the
-agent writes comes from the engine's token source (`fastrehearse.rollout.policy`): the model itself
+agent writes comes from the engine's token source (`fastrehearse.rollout.engine.policy`): the model itself
 (greedy or sampled), the gold record (`--policy gold`), or test-time rehearsal
 (fastrehearse.eval.rehearsal).
 

@@ -22,7 +22,7 @@ Two forms of using them (`form`):
           to the greedy turn, so `select` changes a turn only when rehearsal foresees a failure of
           the greedy one and a draft without it.
 
-Prefill: the private engines share one `PrefixCache` (fastrehearse/rollout/prefix_cache.py,
+Prefill: the private engines share one `PrefixCache` (fastrehearse/rollout/backends/prefix_cache.py,
 `prefix_cache_bytes`, 0 = off): the drafts of a turn prefill the committed context once, and the
 next turn's rehearsals only the tokens added since. Without it every draft, the greedy candidate
 and every assessment re-prefilled the whole context (on BFCL multi-turn ~7.4k tokens each).
@@ -38,11 +38,12 @@ import json
 from dataclasses import dataclass, field, replace
 
 from fastrehearse.kernels.roles import Role
-from fastrehearse.rollout.backend import HFGenerator
-from fastrehearse.rollout.prefix_cache import PrefixCache
-from fastrehearse.rollout.engine import Prompt, RolloutConfig, RolloutEngine
-from fastrehearse.rollout.policy import ModelPolicy, Turn, TurnRequest
-from fastrehearse.rollout.template import assistant_text
+from fastrehearse.rollout.backends.generator import HFGenerator
+from fastrehearse.rollout.backends.prefix_cache import PrefixCache
+from fastrehearse.rollout.config import Prompt, RolloutConfig
+from fastrehearse.rollout.engine.engine import RolloutEngine
+from fastrehearse.rollout.engine.policy import ModelPolicy, Turn, TurnRequest
+from fastrehearse.rollout.text.template import assistant_text
 
 MODES = ("parallel", "sequential")
 FORMS = ("memory", "select")
@@ -67,7 +68,7 @@ class Draft:
 class RehearsalPolicy:
     """`base`: the committed turns' source (default: the model samples; greedy at temperature 0);
     `draft`: the private drafts' source (default: the model samples at `temperature`). Tests script
-    either with fastrehearse.rollout.policy.ScriptedPolicy."""
+    either with fastrehearse.rollout.engine.policy.ScriptedPolicy."""
 
     def __init__(self, model, tokenizer, budget: int, *, form: str = "memory", mode: str = "parallel",
                  horizon: int = 1, temperature: float = 0.7, max_new_tokens: int = 256,
@@ -93,7 +94,7 @@ class RehearsalPolicy:
         # One store for all private engines; assessments (prompts that end in a private question,
         # never extended later) read it but do not fill it.
         # backend="vllm": the private engines share the process's one vLLM instance, whose prefix
-        # cache replaces this one (fastrehearse/rollout/vllm_backend.py).
+        # cache replaces this one (fastrehearse/rollout/backends/vllm_backend.py).
         self.prefix_cache = (PrefixCache(prefix_cache_bytes) if prefix_cache_bytes and model is not None
                              and backend == "hf" else None)
         ctx = max_episode_tokens or int(getattr(getattr(model, "config", None), "max_position_embeddings",

@@ -22,7 +22,7 @@ from typing import Callable
 from fastrehearse.envs.base import Task, ToolEnv
 from fastrehearse.eval.harness import HarnessConfig, run_items
 from fastrehearse.eval.results import ItemResult, ResultStore
-from fastrehearse.rollout.engine import RolloutConfig
+from fastrehearse.rollout.config import RolloutConfig
 
 # What `fastrehearse eval` runs with unless told otherwise: real tools, greedy, 12 agent turns per
 # user turn, 256 tokens per turn, 8 episodes decoded together; every other engine knob is
@@ -100,7 +100,7 @@ def eval_engine(model, tokenizer, s: EvalSettings, *, mode: str | None = None, m
     back as an error and graded by the checker). With a test-time rehearsal `policy`
     that keeps a prefix cache, the engine reads it (an item's first prefill is the context its
     first rehearsal already stored)."""
-    from fastrehearse.rollout.engine import RolloutEngine
+    from fastrehearse.rollout.engine.engine import RolloutEngine
 
     cfg = replace(s.rollout, mode=mode or s.rollout.mode, measure_fidelity=measure_fidelity,
                   max_episode_tokens=(context_length(model) if s.fit_context

@@ -46,7 +46,7 @@ from fastrehearse.algo.rewards import echo_equal
 from fastrehearse.envs.base import Suite, Task
 from fastrehearse.envs.replay import exchanges_of, tool_calls_of
 from fastrehearse.kernels.roles import Role
-from fastrehearse.rollout.gold import gold_replies, render_gold
+from fastrehearse.rollout.text.gold import gold_replies, render_gold
 
 
 # ---- teacher-forced log-probs -----------------------------------------------------------------
@@ -103,7 +103,7 @@ def gold_logprobs(model, tokenizer, suite: Suite, tasks: Sequence[Task], *, temp
     and right-padded (causal attention: padding after a row's last token never reaches it)."""
     import copy
     from collections import defaultdict
-    from fastrehearse.rollout.template import ChatTemplate
+    from fastrehearse.rollout.text.template import ChatTemplate
     tmpl = template or ChatTemplate(tokenizer)
     device = next(model.parameters()).device
     model.eval()
@@ -183,7 +183,7 @@ def _load(text: str | None) -> Any:
 def fidelity_split(arguments: Any, rehearsed: str | None, real: str, spec: dict | None) -> dict:
     """schema / echo / hidden agreement of one rehearsed response with the real one (module
     docstring); a part that does not apply (no echo field, no hidden leaf) is None."""
-    from fastrehearse.rollout.fidelity import json_fields
+    from fastrehearse.rollout.engine.fidelity import json_fields
     a, b = _load(rehearsed), _load(real)
     if not isinstance(b, (dict, list)):
         same = float(isinstance(rehearsed, str) and rehearsed.strip() == real.strip())
@@ -208,8 +208,8 @@ def rehearsal_fidelity(model, tokenizer, suite: Suite, tasks: Sequence[Task], *,
                        max_episode_tokens: int = 4096, batch_size: int = 32) -> list[dict]:
     """One row per task: the model rehearses the response to the task's first gold call (forced),
     greedily; compared with the real response of that call on a fresh world."""
-    from fastrehearse.rollout.engine import RolloutConfig, RolloutEngine
-    from fastrehearse.rollout.policy import GoldPolicy
+    from fastrehearse.rollout import RolloutConfig, RolloutEngine
+    from fastrehearse.rollout.engine.policy import GoldPolicy
     eng = RolloutEngine(model, tokenizer, RolloutConfig(
         mode="rehearse", measure_fidelity=True, temperature=0.0, max_turns=1, max_new_tokens=max_new_tokens,
         max_episode_tokens=max_episode_tokens, max_batch_size=batch_size))

@@ -5,14 +5,15 @@
     result = engine.rollout(tasks, suite, group_size=4, seed=step)  # .episodes .trajectories .metrics
     result = engine.rollout(tasks, suite, policy=GoldPolicy())      # who writes the agent's turns
 """
-from fastrehearse.rollout.backend import Generator, HFGenerator
-from fastrehearse.rollout.engine import (MODES, Prompt, RolloutConfig, RolloutEngine, RolloutResult)
-from fastrehearse.rollout.fidelity import aggregate as aggregate_fidelity
-from fastrehearse.rollout.fidelity import score_pair
-from fastrehearse.rollout.policy import GoldPolicy, ModelPolicy, Policy, ScriptedPolicy, Turn, TurnRequest
-from fastrehearse.rollout.template import ChatTemplate, Rendered, Scaffolding, format_tool_call
-from fastrehearse.rollout.toolcall import (ERROR_KINDS, ParsedCall, ParseResult, malformed_response,
-                                          parse_tool_calls)
+from fastrehearse.rollout.backends.generator import Generator, HFGenerator
+from fastrehearse.rollout.config import MODES, Prompt, RolloutConfig
+from fastrehearse.rollout.engine.engine import RolloutEngine, RolloutResult
+from fastrehearse.rollout.engine.fidelity import aggregate as aggregate_fidelity
+from fastrehearse.rollout.engine.fidelity import score_pair
+from fastrehearse.rollout.engine.policy import GoldPolicy, ModelPolicy, Policy, ScriptedPolicy, Turn, TurnRequest
+from fastrehearse.rollout.text.template import ChatTemplate, Rendered, Scaffolding, format_tool_call
+from fastrehearse.rollout.text.toolcall import (ERROR_KINDS, ParsedCall, ParseResult, malformed_response,
+                                               parse_tool_calls)
 
 __all__ = ["RolloutEngine", "RolloutConfig", "RolloutResult", "Prompt", "MODES", "Generator",
            "HFGenerator", "ChatTemplate", "Rendered", "Scaffolding", "format_tool_call",

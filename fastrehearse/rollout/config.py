@@ -1,5 +1,5 @@
 """The rollout engine's settings (RolloutConfig) and its input rows (Prompt): their own module, so
-the modules the engine is built from (row.py, simulator.py) import them without importing the
+the modules the engine is built from (the row, the decode loop) import them without importing the
 engine."""
 from __future__ import annotations
 
@@ -7,12 +7,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from fastrehearse.envs.base import Task, ToolEnv
-from fastrehearse.rollout.vllm_options import BACKENDS, VLLMOptions
+from fastrehearse.rollout.backends.vllm_options import BACKENDS, VLLMOptions
 
 MODES = ("rehearse", "real", "hybrid")
 MALFORMED_OUTCOMES = ("error_response", "end_episode")
 CUT_OUTCOMES = ("end_turn", "end_episode")
-REHEARSALS = ("inline", "separate")
 
 
 @dataclass
@@ -29,16 +28,14 @@ class RolloutConfig:
                                         # cut agent turn is parsed like any other, as BFCL's runner
                                         # takes a cut output as the reply) or "end_episode"
     max_turns: int = 6                  # policy turns per user turn (the counter restarts at each
-                                        # user turn; one-user-turn tasks: per episode). The eval's
-                                        # old name for it was max_steps: max_turns is canonical.
+                                        # user turn; one-user-turn tasks: per episode). The eval
+                                        # CLI's --max-steps is an alias of it.
     max_episode_tokens: int = 2048      # prompt included: an episode never exceeds it
     parallel_tool_calls: bool = True    # True: a turn ends at its end-of-turn marker and may hold
                                         # several calls; False: it stops at the first </tool_call>
     on_malformed: Literal[MALFORMED_OUTCOMES] = "error_response"  # the one vocabulary, train and eval
     max_batch_size: int = 64            # hf: episodes decoded together (vllm takes all at once)
     max_chunk: int = 64                 # hf: most forced tokens fed to one row in one step
-    rehearsal: Literal[REHEARSALS] = "inline"  # separate: the rollout benchmark's baseline
-                                        # (refused in training)
     backend: Literal[BACKENDS] = "hf"   # hf (transformers KV-cache decoding, the engine's sampler) |
                                         # vllm (one vLLM instance per process; docs/rollout.md)
     vllm: VLLMOptions = field(default_factory=VLLMOptions)   # backend=vllm only
@@ -50,7 +47,6 @@ class RolloutConfig:
         choice("mode", MODES)
         choice("on_malformed", MALFORMED_OUTCOMES)
         choice("on_max_new_tokens", CUT_OUTCOMES)
-        choice("rehearsal", REHEARSALS)
         choice("backend", BACKENDS)
         if not 0.0 <= self.hybrid_p <= 1.0:
             raise ValueError(f"RolloutConfig.hybrid_p must be in [0, 1], got {self.hybrid_p}")
@@ -71,7 +67,8 @@ class Prompt:
     input_ids: list[int]
     roles: list[int]
     tools: list[dict]
-    messages: list[dict] = field(default_factory=list)  # the prefix as chat messages (simulator mode)
+    messages: list[dict] = field(default_factory=list)  # the prefix as chat messages (what a policy
+                                                        # and a separate simulator are shown)
     task: Task | None = None
     env: ToolEnv | None = None
     seed: int = 0

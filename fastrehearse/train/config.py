@@ -8,7 +8,8 @@ float) fails naming the key, the expected and the given type; a choice is checke
 Literal annotation as it is read; then `validate` runs every component's own `validate()` and the
 trainer's ranges and rules across sections. Nothing is silently ignored, so a typo in a 2-hour GPU
 run fails in the first seconds. A key moved to another path (RENAMED_KEYS) is read at its new path
-with a one-line notice; a removed key (REMOVED_KEYS) loads only at its old default.
+with a one-line notice; a removed key (REMOVED_KEYS) loads only at its old default, with a one-line
+notice.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import yaml
 
 from fastrehearse.algo.rewards import check_task_reward
 from fastrehearse.model.loader import TinyModelOptions
-from fastrehearse.rollout.vllm_backend import VLLMUnavailable, require_vllm
+from fastrehearse.rollout.backends.vllm_backend import VLLMUnavailable, require_vllm
 
 from .schema import (  # noqa: F401 - the schema's names, imported from here by the trainer and tests
     PRECISIONS,
@@ -219,21 +220,29 @@ RENAMED_KEYS: dict[str, tuple[str, dict | None]] = {
 
 _TURN_REWARDS = ("it scaled Episode.metadata['turn_rewards'], which no environment the trainer runs "
                  "produces, so it never changed a run; turn-level rewards were deleted with it")
-# Keys that existed and did nothing: a config that sets one to its old default (e.g. a run_dir's
-# config.yaml reused) loads unchanged -- the key never affected a run; any other value is refused,
-# saying why, rather than silently ignored. A component field listed here is no trainer key.
+_SEPARATE = ("'separate' (a fresh simulator prompt per call) is the rollout benchmark's baseline "
+             "(benchmarks/bench_rollout.py), not a training setting: training rehearses inline")
+# Keys that are gone while their old default is what every run does: a config that sets one to
+# that default (e.g. a run_dir's config.yaml reused) loads unchanged, with a one-line notice; any
+# other value is refused, saying why, rather than silently ignored. A component field listed here
+# is no trainer key.
 REMOVED_KEYS = {
     "algo.turn_reward_coef": (1.0, _TURN_REWARDS),
     "algo.advantage.turn_reward_coef": (1.0, _TURN_REWARDS),
+    "rollout.rehearsal": ("inline", _SEPARATE),
 }
 
 
-def _removed(key: str, value) -> bool:
-    """True if `key` is a removed key set to its old default (skip it); refuses any other value."""
+def _removed(key: str, value, notify: Callable[[str], None] | None = None) -> bool:
+    """True if `key` is a removed key set to its old default (skip it; `notify` gets a notice);
+    refuses any other value."""
     if key not in REMOVED_KEYS:
         return False
     default, why = REMOVED_KEYS[key]
     if value == default:
+        if notify is not None:
+            notify(f"config key '{key}' was removed; its old default {value!r} is what every run "
+                   f"does (ignored: delete it from the config)")
         return True
     raise ConfigError(f"config key '{key}' was removed: {why}; delete it from the config "
                       f"(got {value!r})")
@@ -283,10 +292,12 @@ def move_renamed(data: dict, notify: Callable[[str], None] | None = None) -> dic
 # Building a config from dicts and `--set` assignments
 
 
-def from_dict(cls, data: dict, prefix: str = "", seen: set | None = None, base=None):
+def from_dict(cls, data: dict, prefix: str = "", seen: set | None = None, base=None,
+              notify: Callable[[str], None] | None = None):
     """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types; keys not
     given keep their value in `base` (default: `cls()`, so a section's own defaults hold). The
-    dotted keys given are added to `seen` (to tell a default from an explicit value)."""
+    dotted keys given are added to `seen` (to tell a default from an explicit value); `notify`
+    gets the notice of a removed key skipped."""
     if not isinstance(data, dict):
         raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}' must be a mapping (a "
                           f"section), got {data!r} ({type(data).__name__})")
@@ -295,7 +306,7 @@ def from_dict(cls, data: dict, prefix: str = "", seen: set | None = None, base=N
     given = {}
     for k, v in data.items():
         key = f"{prefix}{k}"
-        if _removed(key, v):
+        if _removed(key, v, notify):
             continue
         if k not in keys:
             raise _unknown(key, list(keys))
@@ -303,7 +314,7 @@ def from_dict(cls, data: dict, prefix: str = "", seen: set | None = None, base=N
             seen.add(key)
         path, tp = keys[k]
         if dataclasses.is_dataclass(tp):
-            given[path] = from_dict(tp, v if v is not None else {}, f"{key}.", seen, _at(base, path))
+            given[path] = from_dict(tp, v if v is not None else {}, f"{key}.", seen, _at(base, path), notify)
         else:
             given[path] = _coerce(v, tp, key)
     return _assemble(cls, base, given, prefix)
@@ -336,7 +347,7 @@ def apply_override(cfg, assignment: str, seen: set | None = None,
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {dotted}: cannot parse value {raw!r}: {e}") from None
-    if _removed(dotted, value):
+    if _removed(dotted, value, notify):
         return cfg
     nested = value
     for part in reversed(dotted.split(".")):
@@ -344,13 +355,13 @@ def apply_override(cfg, assignment: str, seen: set | None = None,
     notes = []
     moved = move_renamed(nested, notes.append)
     if not notes:
-        _assign(cfg, dotted, value, seen)
+        _assign(cfg, dotted, value, seen, notify)
         return cfg
     for line in notes:
         if notify is not None:
             notify(line)
     for key, v in _dict_leaves(moved):
-        _assign(cfg, key, v, seen)
+        _assign(cfg, key, v, seen, notify)
     return cfg
 
 
@@ -362,7 +373,7 @@ def _dict_leaves(d: dict, prefix: str = ""):
             yield f"{prefix}{k}", v
 
 
-def _assign(cfg, dotted: str, value, seen: set | None):
+def _assign(cfg, dotted: str, value, seen: set | None, notify: Callable[[str], None] | None = None):
     parts = dotted.split(".")
     obj = cfg
     for i, part in enumerate(parts):
@@ -384,7 +395,7 @@ def _assign(cfg, dotted: str, value, seen: set | None):
         if last:
             if dataclasses.is_dataclass(tp):
                 # a mapping is merged into the section; anything else is refused by from_dict
-                setattr(holder, name, from_dict(tp, value, f"{key}.", seen, getattr(holder, name)))
+                setattr(holder, name, from_dict(tp, value, f"{key}.", seen, getattr(holder, name), notify))
             elif isinstance(value, dict) and (tp is dict or typing.get_origin(tp) is dict):
                 setattr(holder, name, {**getattr(holder, name), **value})
             else:
@@ -448,10 +459,6 @@ def validate(cfg: TrainConfig, explicit: set | frozenset = frozenset()) -> Train
         raise ConfigError(f"config key 'model.options' is only used with tiny-* models, got "
                           f"{dataclasses.asdict(cfg.model.options)} for model.spec={cfg.model.spec!r}")
     rollout = cfg.rollout.engine
-    if rollout.rehearsal != "inline":
-        raise ConfigError(f"config key 'rollout.rehearsal' = {rollout.rehearsal!r}: training rehearses "
-                          f"inline; 'separate' (a fresh simulator prompt per call) is the rollout "
-                          f"benchmark's baseline (benchmarks/bench_rollout.py), not a training setting")
     if cfg.max_tokens < rollout.max_episode_tokens:
         raise ConfigError(f"config key 'max_tokens' ({cfg.max_tokens}) must be >= "
                           f"'rollout.max_episode_tokens' ({rollout.max_episode_tokens}): a "
@@ -628,7 +635,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
     seen: set = set()
-    cfg = from_dict(TrainConfig, move_renamed(data, notify) if isinstance(data, dict) else data, seen=seen)
+    cfg = from_dict(TrainConfig, move_renamed(data, notify) if isinstance(data, dict) else data, seen=seen,
+                    notify=notify)
     for o in overrides:
         apply_override(cfg, o, seen=seen, notify=notify)
     _env_defaults(cfg, None if path is None else Path(path).resolve().parent, seen)

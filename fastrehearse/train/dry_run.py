@@ -322,7 +322,7 @@ def plan(cfg: TrainConfig, world: int, gpu_memory_gib: float = DEFAULT_BUDGET_GI
     if backend == "vllm":
         # One engine per rank in the rank's process; slept (level 2: weights and KV freed) through
         # the update and filled again by the weight sync, streamed from the shards one parameter at a
-        # time (rollout/vllm_backend.py). No generation copy on the trainer's side.
+        # time (rollout/backends/vllm_backend.py). No generation copy on the trainer's side.
         frac = cfg.rollout.engine.vllm.gpu_memory_utilization
         add("rollout", "vLLM (weights + KV cache)", frac * gpu_memory_gib * GIB,
             f"rollout.vllm.gpu_memory_utilization={frac} of {gpu_memory_gib:g} GiB; freed through the update "

@@ -30,7 +30,7 @@ import numpy as np
 
 from fastrehearse.algo import compute_advantages, with_advantages
 from fastrehearse.data import Episode
-from fastrehearse.rollout.vllm_backend import close_shared
+from fastrehearse.rollout.backends.vllm_backend import close_shared
 
 from . import failures
 from .build import apply_optim_settings, setup

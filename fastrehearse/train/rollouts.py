@@ -9,9 +9,9 @@ from dataclasses import replace
 from fastrehearse.algo.rewards import assign_rewards, reward_row
 from fastrehearse.data import Episode
 from fastrehearse.eval.runner import EvalSettings, MemoryStore, evaluate_items
-from fastrehearse.rollout.engine import RolloutEngine
-from fastrehearse.rollout.policy import ModelPolicy
-from fastrehearse.rollout.vllm_backend import VLLMStartError, shared_backend
+from fastrehearse.rollout.backends.vllm_backend import VLLMStartError, shared_backend
+from fastrehearse.rollout.engine.engine import RolloutEngine
+from fastrehearse.rollout.engine.policy import ModelPolicy
 
 from .state import Run
 from .errors import TrainingError
@@ -174,7 +174,7 @@ def release_rollout_memory(run: Run) -> None:
 
 def sync_generation_weights(run: Run) -> dict:
     """Bring the rollout model up to the updated weights: with rollout.backend=vllm, stream them
-    into the vLLM engine (fastrehearse.rollout.vllm_backend: one full parameter at a time, gathered
+    into the vLLM engine (fastrehearse.rollout.backends.vllm_backend: one full parameter at a time, gathered
     from the shards, collective); with hf in a sharded run, copy them into the unsharded generation
     model. Returns metrics.jsonl's `weight_sync_s` and, when weights moved, `weight_sync_bytes`."""
     t0 = time.perf_counter()

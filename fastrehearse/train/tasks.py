@@ -7,8 +7,8 @@ import torch
 from fastrehearse.data import Episode
 from fastrehearse.envs import get_suite
 from fastrehearse.kernels.roles import Role
-from fastrehearse.rollout.gold import render_gold
-from fastrehearse.rollout.template import ChatTemplate
+from fastrehearse.rollout.text.gold import render_gold
+from fastrehearse.rollout.text.template import ChatTemplate
 
 from .config import ConfigError, TrainConfig
 from .state import Run

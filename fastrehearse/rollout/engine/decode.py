@@ -2,7 +2,7 @@
 
 Every live row always has one segment in flight, so the batch never waits for its slowest turn:
 when a row's segment ends, the row appends what follows (scaffolding, real responses, user turns),
-the policy is asked about the rows that start a turn (one batched call), separate-mode simulator
+the policy is asked about the rows that start a turn (one batched call), a separate simulator's
 responses are written, finished rows leave the session, and the rows that need the model again
 get their next segment before the backend's next step.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Callable
 
-from fastrehearse.rollout.policy import Policy
-from fastrehearse.rollout.row import Row
-from fastrehearse.rollout.segments import Sampling, SegmentBackend, SegmentSession
+from fastrehearse.rollout.backends.segments import Sampling, SegmentBackend, SegmentSession
+from fastrehearse.rollout.engine.policy import Policy
+from fastrehearse.rollout.engine.row import Row
 
 
 def resolve_turns(policy: Policy | None, rows: list[Row], stats: Counter) -> None:
@@ -38,7 +38,7 @@ def decode(rows: list[Row], backend: SegmentBackend, sampling: Sampling, stats: 
            policy: Policy | None = None,
            simulate: Callable[[list[Row]], None] | None = None) -> None:
     """Run `rows` (keys: their .index, unique) until every one is done. `simulate` writes the
-    responses of rows waiting for a separate simulator (rehearsal="separate")."""
+    responses of rows waiting for a separate simulator (simulator.py)."""
     session: SegmentSession | None = None
     in_flight: set[int] = set()
     by_key = {r.index: r for r in rows}

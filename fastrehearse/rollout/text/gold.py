@@ -1,6 +1,6 @@
 """A task's gold trajectory as the model sees it, in one place for every user: the SFT warm-up's
 episodes (train/tasks.py), the teacher-forced log-probs (eval/teacher_forced.py) and `GoldPolicy`'s
-forced turns (rollout/policy.py, `--policy gold`).
+forced turns (rollout/engine/policy.py, `--policy gold`).
 
   gold_replies(task)            the gold's agent turns (assistant messages), in order; a forced
                                 turn's text is `template.assistant_text(reply)`, the text the
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from fastrehearse.envs.base import Suite, Task
 from fastrehearse.kernels.roles import Role
-from fastrehearse.rollout.template import ChatTemplate, Rendered
+from fastrehearse.rollout.text.template import ChatTemplate, Rendered
 
 
 @dataclass

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 from fastrehearse.envs.base import Task
-from fastrehearse.rollout.gold import gold_replies
-from fastrehearse.rollout.template import assistant_text
+from fastrehearse.rollout.text.gold import gold_replies
+from fastrehearse.rollout.text.template import assistant_text
 
 
 @dataclass

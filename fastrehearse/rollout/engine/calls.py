@@ -13,7 +13,7 @@ from collections import Counter
 from typing import Callable
 
 from fastrehearse.envs.base import ToolCall, ToolEnv, Trajectory
-from fastrehearse.rollout.toolcall import ParsedCall
+from fastrehearse.rollout.text.toolcall import ParsedCall
 
 
 def route_calls(calls: list[ParsedCall], env: ToolEnv | None, mode: str, hybrid_p: float,

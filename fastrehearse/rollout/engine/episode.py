@@ -5,8 +5,8 @@ from collections import Counter
 
 from fastrehearse.data import Episode
 from fastrehearse.kernels.roles import Role
-from fastrehearse.rollout.fidelity import FidelityScore, aggregate
-from fastrehearse.rollout.row import Row
+from fastrehearse.rollout.engine.fidelity import FidelityScore, aggregate
+from fastrehearse.rollout.engine.row import Row
 
 
 def build_episode(row: Row) -> Episode:
@@ -75,7 +75,6 @@ def rollout_metrics(rows: list[Row], episodes: list[Episode], stats: Counter, en
         "forward_calls": stats["forward_calls"],
         "token_slot_efficiency": (stats["fed_tokens"] / stats["token_slots"]) if stats["token_slots"] else 1.0,
         "segments": stats["segments"],               # model-written segments (turns, responses)
-        "simulator_prompts": stats["simulator_prompts"],
         "role_tokens": dict(role_tokens),
         "calls": dict(modes),
         "malformed": dict(malformed),

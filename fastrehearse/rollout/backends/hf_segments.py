@@ -1,12 +1,12 @@
-"""The segment protocol (fastrehearse/rollout/segments.py) over a token-level KV-cache `Generator`
-(fastrehearse/rollout/backend.py: `HFGenerator` over a transformers model).
+"""The segment protocol (segments.py) over a token-level KV-cache `Generator` (generator.py:
+`HFGenerator` over a transformers model).
 
 One session = one `Generator` batch: every row added before the first step is prefilled together
 (`start`); then each step feeds every live row its pending tokens (the token it just sampled, or the
 forced tokens the engine appended since, several per step when that keeps the batch busy) and
-samples the rows whose pending tokens are all fed. Sampling is the engine's own
-(`fastrehearse.rollout.sampling.sample`, one `torch.Generator` per row seeded by the row's seed, so
-an episode's samples do not depend on its batch-mates), after the optional logits processor.
+samples the rows whose pending tokens are all fed. Sampling is the engine's own (`sampling.sample`,
+one `torch.Generator` per row seeded by the row's seed, so an episode's samples do not depend on
+its batch-mates), after the optional logits processor.
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from typing import Callable, Iterable
 import torch
 
 from fastrehearse.kernels.roles import Role
-from fastrehearse.rollout.backend import Generator
-from fastrehearse.rollout.sampling import sample
-from fastrehearse.rollout.segments import Sampling, Segment, SegmentRequest, StopMatcher
+from fastrehearse.rollout.backends.generator import Generator
+from fastrehearse.rollout.backends.sampling import sample
+from fastrehearse.rollout.backends.segments import Sampling, Segment, SegmentRequest, StopMatcher
 
 # logits_processor(contexts, context_roles, sample_roles, logits) -> logits: contexts[i] / context_roles[i]
 # are row i's tokens and roles so far, sample_roles[i] the role of the token about to be sampled (ACT

@@ -1,22 +1,23 @@
 """World-rehearsal rollout: many episodes at once, the role swap inline, on a generation backend.
 
-Every episode is one token sequence that only ever grows. Its per-row state machine
-(fastrehearse/rollout/row.py) decides what comes next; the model writes *segments* -- a policy turn
-up to its end-of-turn (or call-close) marker, a rehearsed tool response up to the tool-turn end --
-and everything between them (chat scaffolding, real tool responses, user turns, forced turns) is
-appended by the row itself. The decode loop (decode.py) keeps one segment in flight per live row on
-a backend (segments.py: the protocol; hf_segments.py: Hugging Face KV-cache decoding with the
-engine's own sampler; vllm_backend.py: vLLM with prefix caching), so a batch never waits for its
-slowest turn. Call routing and execution: calls.py; episode + metrics assembly: episode.py; the
-benchmark-only `rehearsal="separate"` mode: simulator.py.
+Every episode is one token sequence that only ever grows. Its per-row state machine (row.py)
+decides what comes next; the model writes *segments* -- a policy turn up to its end-of-turn (or
+call-close) marker, a rehearsed tool response up to the tool-turn end -- and everything between
+them (chat scaffolding, real tool responses, user turns, forced turns) is appended by the row
+itself. The decode loop (decode.py) keeps one segment in flight per live row on a backend
+(fastrehearse/rollout/backends/: segments.py the protocol; hf_segments.py Hugging Face KV-cache
+decoding with the engine's own sampler; vllm_backend.py vLLM with prefix caching), so a batch never
+waits for its slowest turn. Call routing and execution: calls.py; episode + metrics assembly:
+episode.py; the hook for a separate response simulator (the rollout benchmark's baseline):
+simulator.py.
 
 The environment protocol (fastrehearse.envs.base) decides everything env-specific: user turns
 (none / scripted / a simulator), tools that change mid-task (`env.tools`, re-read after each user
 turn: later parsing accepts the new tools and the template renders them as it would), the stop
 tool (`finished`, `control_tools`, which are always executed), whether the env judges calls
 itself (`validates_calls`), single-turn graded-call tasks (`grades_calls_only`: one turn,
-nothing executed) and drift statistics. A policy (fastrehearse.rollout.policy) decides who writes
-the agent's turns: the model (sampled or greedy), scripted / gold turns, or a test-time rehearsal.
+nothing executed) and drift statistics. A policy (policy.py) decides who writes the agent's turns:
+the model (sampled or greedy), scripted / gold turns, or a test-time rehearsal.
 
 Token in, token out: episode tokens are exactly the sampled ids plus forced ids; generated text is
 decoded only to detect stops and parse calls, never re-tokenized. The rollout log-prob of each
@@ -33,27 +34,18 @@ from typing import Any, Callable, Sequence
 
 from fastrehearse.data import Episode
 from fastrehearse.envs.base import Suite, Task, ToolEnv, Trajectory
-from fastrehearse.rollout.backend import Generator, HFGenerator
-from fastrehearse.rollout.config import (
-    CUT_OUTCOMES,
-    MALFORMED_OUTCOMES,
-    MODES,
-    REHEARSALS,
-    Prompt,
-    RolloutConfig,
-)
-from fastrehearse.rollout.decode import decode, resolve_turns  # noqa: F401  (resolve_turns: API)
-from fastrehearse.rollout.episode import build_episode, rollout_metrics
-from fastrehearse.rollout.hf_segments import HFBackend, LogitsProcessor
-from fastrehearse.rollout.policy import Policy
-from fastrehearse.rollout.row import Row, RowSettings
-from fastrehearse.rollout.segments import Sampling, SegmentBackend, StopMatcher
-from fastrehearse.rollout.simulator import SIMULATOR_SYSTEM, simulate
-from fastrehearse.rollout.template import TOOL_CALL_CLOSE, ChatTemplate
-from fastrehearse.rollout.vllm_options import BACKENDS, VLLMOptions
+from fastrehearse.rollout.backends.generator import Generator, HFGenerator
+from fastrehearse.rollout.backends.hf_segments import HFBackend, LogitsProcessor
+from fastrehearse.rollout.backends.segments import Sampling, SegmentBackend, StopMatcher
+from fastrehearse.rollout.config import Prompt, RolloutConfig
+from fastrehearse.rollout.engine.decode import decode
+from fastrehearse.rollout.engine.episode import build_episode, rollout_metrics
+from fastrehearse.rollout.engine.policy import Policy
+from fastrehearse.rollout.engine.row import Row, RowSettings
+from fastrehearse.rollout.engine.simulator import ResponseSimulator, simulate
+from fastrehearse.rollout.text.template import TOOL_CALL_CLOSE, ChatTemplate
 
-__all__ = ["MODES", "MALFORMED_OUTCOMES", "CUT_OUTCOMES", "REHEARSALS", "BACKENDS", "SIMULATOR_SYSTEM",
-           "LogitsProcessor", "RolloutConfig", "Prompt", "RolloutResult", "RolloutEngine", "VLLMOptions"]
+__all__ = ["RolloutEngine", "RolloutResult"]
 
 
 @dataclass
@@ -77,12 +69,15 @@ class RolloutEngine:
     `backend_factory` (hf backend): a factory of token-level `Generator`s (default: `HFGenerator`
     over `model`), read at each batch, so callers may swap it (a shared PrefixCache).
     `backend` (a SegmentBackend) overrides `config.backend`; with backend="vllm" the process's one
-    vLLM instance for `model` is used (fastrehearse.rollout.vllm_backend.shared_backend).
+    vLLM instance for `model` is used (fastrehearse.rollout.backends.vllm_backend.shared_backend).
+    `simulator` (simulator.py): rehearsed responses are written by it, outside the episode, instead
+    of inline (the rollout benchmark's separate-simulator baseline).
     """
 
     def __init__(self, model, tokenizer, config: RolloutConfig | None = None, *,
                  template: ChatTemplate | None = None, backend_factory: Callable[[], Generator] | None = None,
-                 logits_processor: LogitsProcessor | None = None, backend: SegmentBackend | None = None):
+                 logits_processor: LogitsProcessor | None = None, backend: SegmentBackend | None = None,
+                 simulator: ResponseSimulator | None = None):
         self.config = config or RolloutConfig()
         self.config.validate()
         self.model = model
@@ -111,9 +106,11 @@ class RolloutEngine:
             if logits_processor is not None:
                 raise ValueError("a logits_processor needs rollout.backend=hf (vLLM samples in its own "
                                  "process)")
-            from fastrehearse.rollout.vllm_backend import require_vllm
+            # local: vllm_backend imports fastrehearse.model (transformers, ~4 s), never needed with hf
+            from fastrehearse.rollout.backends.vllm_backend import require_vllm
             require_vllm()      # refused here, one line naming the package, before any work
         self._backend = backend
+        self.simulator = simulator
         self._env_errors: Counter = Counter()
         self.policy: Policy | None = None     # the token source of the current generate() call
 
@@ -123,7 +120,7 @@ class RolloutEngine:
         needs it; with model=None a row that needs the model raises as with hf)."""
         if self._backend is None:
             if self.config.backend == "vllm":
-                from fastrehearse.rollout.vllm_backend import shared_backend
+                from fastrehearse.rollout.backends.vllm_backend import shared_backend  # local: as above
                 self._backend = shared_backend(self._need_model(), self.template.tokenizer, self.config)
             else:
                 self._backend = HFBackend(lambda: self.backend_factory, self.stops, max_chunk=self.config.max_chunk,
@@ -148,7 +145,7 @@ class RolloutEngine:
     def rollout(self, tasks: Sequence[Task], envs: Suite | Callable[[], ToolEnv], *,
                 group_size: int = 1, seed: int = 0, policy: Policy | None = None) -> RolloutResult:
         """`group_size` episodes per task (the GRPO group), each with its own environment.
-        `policy` (fastrehearse.rollout.policy): who writes the agent's turns; None: the model."""
+        `policy` (policy.py): who writes the agent's turns; None: the model."""
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         make_env = envs.make_env if isinstance(envs, Suite) else envs
@@ -192,10 +189,13 @@ class RolloutEngine:
         self.policy, self._env_errors = policy, Counter()
         try:
             settings = RowSettings(self.config, self.template, frozenset(self.eos_ids),
-                                   has_policy=policy is not None, count_env_error=self._count_env_error)
+                                   has_policy=policy is not None, count_env_error=self._count_env_error,
+                                   simulated=self.simulator is not None)
             sampling = Sampling(self.config.temperature, self.config.top_p)
             backend = _Lazy(lambda: self.backend)   # opened only when a row needs the model
-            sim = partial(simulate, settings=settings, backend=backend, sampling=sampling, stats=stats)
+            sim = (None if self.simulator is None else
+                   partial(simulate, simulator=self.simulator, settings=settings, backend=backend,
+                           sampling=sampling, stats=stats))
             rows = [Row(settings, i, p) for i, p in enumerate(prompts)]
             # vLLM schedules every request itself (continuous batching, its own max_num_seqs): all of
             # this call's rows go to it at once. The HF backend decodes max_batch_size rows together.

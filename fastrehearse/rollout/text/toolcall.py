@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastrehearse.envs.base import ToolCall
-from fastrehearse.rollout.template import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from fastrehearse.rollout.text.template import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 ERROR_KINDS = ("unclosed", "bad_json", "missing_name", "unknown_tool", "bad_arguments")
 

@@ -2,8 +2,8 @@
 
 Phases: "act" (a policy turn), "tool" (the model rehearses a tool response), "done". The row appends
 known tokens itself (`force`: scaffolding, real responses, user turns, forced turns) and asks for a
-segment when the model must write (`segment_request`); the decode loop (fastrehearse/rollout/
-decode.py) runs the requests on a backend and hands each finished segment back (`on_segment`):
+segment when the model must write (`segment_request`); the decode loop (decode.py) runs the
+requests on a backend and hands each finished segment back (`on_segment`):
 
   policy turn (ACT)  --turn ends, calls parsed-->  force "close assistant + open tool turn"
      per call:  rehearse  -> the same model writes the response (REHEARSE) until the tool-turn end
@@ -29,13 +29,13 @@ from typing import Any, Callable, Sequence
 
 from fastrehearse.envs.base import Trajectory
 from fastrehearse.kernels.roles import Role
-from fastrehearse.rollout.calls import execute_call, route_calls
+from fastrehearse.rollout.backends.segments import Segment, SegmentRequest
 from fastrehearse.rollout.config import Prompt, RolloutConfig
-from fastrehearse.rollout.fidelity import FidelityScore, score_pair
-from fastrehearse.rollout.policy import Turn, TurnRequest
-from fastrehearse.rollout.segments import Segment, SegmentRequest
-from fastrehearse.rollout.template import TOOL_CALL_CLOSE, ChatTemplate
-from fastrehearse.rollout.toolcall import (
+from fastrehearse.rollout.engine.calls import execute_call, route_calls
+from fastrehearse.rollout.engine.fidelity import FidelityScore, score_pair
+from fastrehearse.rollout.engine.policy import Turn, TurnRequest
+from fastrehearse.rollout.text.template import TOOL_CALL_CLOSE, ChatTemplate
+from fastrehearse.rollout.text.toolcall import (
     ParsedCall,
     malformed_response,
     parse_tool_calls,
@@ -49,6 +49,8 @@ class RowSettings:
     stop_ids: frozenset[int]                 # end-of-sequence token ids: every segment stops there
     has_policy: bool                         # a policy says who writes each turn (else the model)
     count_env_error: Callable[[str], None]   # an env reported an error result of this kind
+    simulated: bool = False                  # a separate simulator writes rehearsed responses
+                                             # (simulator.py), not the row itself
 
 
 class Row:
@@ -78,7 +80,7 @@ class Row:
         self.tools_changed: list[int] = []            # user turns at which the tools changed
         self.fidelity: list[FidelityScore] = []
         self.rng = random.Random(prompt.seed * 1_000_003 + 17)
-        self.waiting_sim: ParsedCall | None = None    # rehearsal="separate": a simulator writes it
+        self.waiting_sim: ParsedCall | None = None    # a rehearsed call the simulator answers
         if len(self.ids) >= self.cfg.max_episode_tokens:
             self._finish("max_episode_tokens")
         else:
@@ -284,8 +286,8 @@ class Row:
         while self.queue and not self.done:
             pc, mode = self.queue[0]
             if mode == "rehearse":
-                if self.cfg.rehearsal == "separate":
-                    self.waiting_sim = pc  # the decode loop runs the simulator prompt
+                if self.s.simulated:
+                    self.waiting_sim = pc  # the decode loop runs the simulator
                 else:
                     self._new_segment("tool")
                 return
@@ -298,9 +300,9 @@ class Row:
                 self.call_log.append({"name": pc.call.name, "mode": "real", "error_kind": None})
             self.traj.messages.append({"role": "tool", "content": content, "rehearsed": False})
             # OBSERVED is a real environment's response: the world model's supervised target
-            # (w_observed). The malformed-call error is the engine's text, so it is CONTEXT -- as
-            # OBSERVED, a CE on it trained the model on its own broken turns' errors (H's collapse,
-            # docs/learning.md).
+            # (w_observed). The malformed-call error is the engine's text, so it is CONTEXT: as
+            # OBSERVED, a CE on it would train the model on the errors of its own broken turns
+            # (arm H's collapse, docs/learning.md).
             role = Role.CONTEXT if mode == "error" else Role.OBSERVED
             if not self.force(self.tmpl.encode(content), role):
                 return
@@ -344,7 +346,7 @@ class Row:
             self._begin_act()
 
     def on_simulated(self, tokens: list[int], logps: list[float], text: str) -> None:
-        """rehearsal="separate": the simulator's response tokens, copied in as REHEARSE."""
+        """A separate simulator's response tokens, copied in as REHEARSE."""
         pc = self.waiting_sim
         self.waiting_sim = None
         self.queue.pop(0)

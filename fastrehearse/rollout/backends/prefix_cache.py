@@ -14,7 +14,7 @@ positions (position ids count each row's real tokens, so left padding never move
 float rounding of a differently-batched GEMM differs (tests: logits within 1e-4 of a fresh prefill,
 greedy text identical). Only models whose cache is all full-attention `DynamicLayer`s take part
 (`supports`): a sliding-window or linear-attention layer keeps a truncated/recurrent state that a
-prefix slice does not describe, so such models prefill as before.
+prefix slice does not describe, so such models prefill every prompt whole.
 
 Memory: entries are per-layer [1, kv_heads, L, head_dim] copies on the model's device, bounded by
 `max_bytes` (least recently used evicted first). An entry that is a prefix of a newer one is

@@ -13,8 +13,8 @@ of the next token. `HFGenerator` implements this over a Hugging Face causal LM w
   * finished rows are dropped from the cache (`batch_select_indices`), so they cost nothing;
   * rows with identical prompts (a GRPO group, the drafts of one rehearsal) are prefilled once and
     their cache rows copied;
-  * with a `PrefixCache` (fastrehearse/rollout/prefix_cache.py), a prompt that repeats or extends a
-    recently prefilled one loads that prefix's KV and prefills only the rest.
+  * with a `PrefixCache` (prefix_cache.py), a prompt that repeats or extends a recently prefilled
+    one loads that prefix's KV and prefills only the rest.
 
 A server backend (vLLM / SGLang with prefix caching) would implement the same three calls by
 sending each row's full token list (prefix-cache hits make that cheap); nothing in the engine
@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from fastrehearse.rollout.prefix_cache import PrefixCache
+from fastrehearse.rollout.backends.prefix_cache import PrefixCache
 
 
 class Generator(Protocol):
@@ -47,7 +47,7 @@ class HFGenerator:
                  cache_writes: bool = True, dedupe: bool = True):
         """`prefix_cache`: reuse (and, with `cache_writes`, store) prompt KV across starts; ignored
         for models `PrefixCache.supports` refuses (they prefill every prompt, as without one).
-        `dedupe=False` prefills duplicate prompts once per row (the behaviour before; benchmarks)."""
+        `dedupe=False` prefills duplicate prompts once per row (benchmarks measure what dedupe saves)."""
         self.model = model
         self.pad_id = pad_id
         self.device = next(model.parameters()).device

@@ -17,9 +17,9 @@ row whose segment ended is given its forced tokens and its next segment while th
 decoding (no batch-wide barrier per turn). Token in, token out: a request carries token ids, a
 segment returns token ids; generated text is never re-tokenized.
 
-Backends: `HFBackend` (fastrehearse/rollout/hf_segments.py: the engine's own sampler, per-row seeds
-and logits processor over a KV-cache `Generator`) and `VLLMBackend` (fastrehearse/rollout/
-vllm_backend.py: vLLM `SamplingParams` over `prompt_token_ids`, prefix caching on).
+Backends: `HFBackend` (hf_segments.py: the engine's own sampler, per-row seeds and logits processor
+over a KV-cache `Generator`) and `VLLMBackend` (vllm_backend.py: vLLM `SamplingParams` over
+`prompt_token_ids`, prefix caching on).
 
 The stop rule is one definition (`StopMatcher`): a segment ends at the first token that is a stop
 token id (end-of-sequence ids) or whose decoded text completes one of the stop strings.
@@ -35,7 +35,7 @@ from fastrehearse.kernels.roles import Role
 
 @dataclass(frozen=True)
 class Sampling:
-    """How a session samples: temperature 0 = greedy; top_p as in fastrehearse.rollout.sampling."""
+    """How a session samples: temperature 0 = greedy; top_p as in sampling.py."""
     temperature: float = 1.0
     top_p: float = 1.0
 
