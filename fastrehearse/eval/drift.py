@@ -17,9 +17,9 @@ SPEC: comma-separated perturbations, each `name` or `name:arg`:
                     Solvable both ways: the unit is visible in the response, and `score` also
                     accepts the answer stated in the returned unit (a number of the final answer
                     equal to a value this episode's responses returned scaled is read back in the
-                    original unit before the wrapped env grades it). Before this, the key kept its
-                    name while the answer was still graded in dollars: nothing told the agent the
-                    unit had changed, so those items were unsolvable.
+                    original unit before the wrapped env grades it). Both are needed: under an
+                    unchanged key with the answer graded in dollars, nothing would tell the agent
+                    the unit had changed and the item could not be solved.
   formats           ISO dates YYYY-MM-DD -> DD/MM/YYYY, booleans -> "yes"/"no", floats -> strings
                     with two decimals
   remove:TOOL       the tool disappears: dropped from the schemas, and calling it fails as unknown
