@@ -798,7 +798,7 @@ def main(argv=None):
     ap.add_argument("--n", type=int, nargs="+", default=None)
     ap.add_argument("--fracs", type=float, nargs="+", default=None)
     ap.add_argument("--budget-gib", type=float, default=1.5,
-                    help="the workspace target the designs are checked against (issue 17: 1.5)")
+                    help="the workspace target the designs are checked against (docs/gpu.md: 1.5)")
     ap.add_argument("--workspace-gib", type=float, default=None,
                     help="budget of the vocabulary-outer plan (default: the code's, "
                          "kernels/_common.WORKSPACE_BYTES_CUDA)")
