@@ -65,7 +65,7 @@ def default_json(name: str, device: torch.device | str, record: bool = False) ->
 
 def randn_on(shape, device, dtype, generator: torch.Generator, scale: float = 1.0) -> torch.Tensor:
     """Random normal tensor in `dtype` on `device`. CUDA: drawn there (a CPU draw of a
-    128256 x 4096 weight takes seconds per benchmark config); CPU: from `generator`, as before.
+    128256 x 4096 weight takes seconds per benchmark config); CPU: drawn on the CPU from `generator`.
     """
     device = torch.device(device)
     if device.type == "cuda":

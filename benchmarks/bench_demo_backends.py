@@ -1,4 +1,4 @@
-"""`make demo` end to end on each rollout backend (issue 28 item 6: the demo uses whichever is faster).
+"""`make demo` end to end on each rollout backend (the demo preset uses whichever is faster).
 
 Runs `fastrehearse train --config configs/demo.yaml` once per variant and round, variants interleaved
 (round 0: hf, vllm-eager, ...; round 1 reversed), each in its own process exactly as `make demo`

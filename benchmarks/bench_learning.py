@@ -1,6 +1,6 @@
 """Does world rehearsal teach? Rehearsal with a reward computable inside the rehearsed world,
 against real-environment RL, a format-learning control, hybrid and SFT-only, at matched compute
-(issue 25; docs/learning.md). Version 2 of the issue-15 experiment (benchmarks/results/learning_smollm2.*).
+(docs/learning.md). Version 2 of the first learning experiment (benchmarks/results/learning_smollm2.*).
 
 One shared SFT warm-up (configs/learning_smollm2.yaml + V2_SETS: the embedded SmolLM2-135M, builtin
 EASY tasks with the final answer checked, every tool family but `accounts`, constant lr), then per

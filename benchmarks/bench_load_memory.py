@@ -1,5 +1,5 @@
-"""Peak host memory per rank of building a sharded run's models: the loading before issue 24 against
-the sharded construction the trainer uses now (fastrehearse/train/model_init.py).
+"""Peak host memory per rank of building a sharded run's models: whole-model loading on every rank
+against the sharded construction the trainer uses (fastrehearse/train/model_init.py).
 
     python benchmarks/bench_load_memory.py [--world 2] [--hidden 1024 --layers 8] [--json PATH]
 
@@ -7,7 +7,7 @@ One Hugging Face directory (a Llama-shaped model, untied head, bf16 safetensors 
 ship) is written once; then for each method `torchrun --nproc_per_node=WORLD` builds the policy, the
 KL reference and the HF generation copy on gloo, and every rank reports its peak RSS (ru_maxrss)
 before and after. Methods:
-  whole    the code before issue 24 (commit b8c1a74): every rank loads the whole model in fp32,
+  whole    the trainer's loading at commit b8c1a74: every rank loads the whole model in fp32,
            deep-copies it for the reference and the generation copy, then shards the policy
   sharded  built on meta, sharded, each rank reading its rows from the safetensors files; the
            reference filled from the policy's shards; the generation copy filled one tensor at a time
@@ -56,7 +56,7 @@ def worker(method: str, spec: str, out: str) -> None:
         gen = copy.deepcopy(hf_model).requires_grad_(False)
         policy = parallelize(RehearsalModel(hf_model), info)
         ref = parallelize(RehearsalModel(ref), info)
-        peak_trained = _rss_mib()        # the old code made the generation copy before sharding
+        peak_trained = _rss_mib()        # `whole` makes the generation copy before sharding
     else:
         policy, hf_model, _ = build_policy(cfg, info)
         ref = build_reference(cfg, info, policy, hf_model)

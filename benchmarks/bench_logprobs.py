@@ -308,7 +308,7 @@ def main(argv=None):
                                times_ms=[round(s, 2) for s in res["times_ms"]],
                                peak_extra_bytes=mem,
                                # minus the dX and dW every method must return: the workspace the
-                               # issue's "extra memory <= 256 MiB" (GPU) is about
+                               # "extra memory <= 256 MiB" (GPU) target is about
                                workspace_bytes=None if mem is None else
                                max(0, mem - (0 if args.forward_only else
                                              (n * h + v * h) * torch.finfo(dtype).bits // 8)),

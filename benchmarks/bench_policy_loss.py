@@ -86,7 +86,7 @@ def methods(device):
     out = []
     if cuda:
         out += [("fused (triton)", m_ours(True, "triton")), ("unfused (triton)", m_ours(False, "triton")),
-                # the opt-in low-precision dW accumulator at the issue-17 workspace bound
+                # the opt-in low-precision dW accumulator at the 1.5 GiB workspace target (docs/gpu.md)
                 ("fused (triton, bf16 dW, 1.5 GiB)",
                  m_ours(True, "triton", weight_dtype_acc=True, workspace_bytes=3 << 29))]
     out += [("fused (torch)", m_ours(True, "torch")), ("unfused (torch)", m_ours(False, "torch"))]

@@ -22,7 +22,7 @@ Reported: real (non-padding) tokens per second of the whole update (median over 
 memory of one update (CPU: peak RSS above the pre-update RSS; CUDA: max_memory_allocated), and
 the two losses (must agree: same weights, same episodes, same math). On CUDA, MFU counts
 6 * params * real tokens against the measured dense bf16 matmul rate.
-Targets (issue 6): CPU + SmolLM2-135M: >= 1.3x tokens/s and <= 0.5x peak memory; GPU with a
+Targets: CPU + SmolLM2-135M: >= 1.3x tokens/s and <= 0.5x peak memory; GPU with a
 Qwen3-1.7B-shaped model: >= 2x tokens/s.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ from _common import (add_output_args, bar_plot, default_json, output_path, fmt_b
 from fastrehearse.algo import AdvantageConfig, compute_advantages, local_counts, with_advantages  # noqa: E402
 from fastrehearse.data import Episode  # noqa: E402
 from fastrehearse.kernels import PolicyLossConfig, linear_policy_loss  # noqa: E402
-from fastrehearse.kernels.roles import NUM_ROLES, Role  # noqa: E402
+from fastrehearse.kernels.roles import Role  # noqa: E402
 from fastrehearse.model import RehearsalModel, load_model, token_logprobs  # noqa: E402
 from fastrehearse.packing import pack  # noqa: E402
 

@@ -456,7 +456,7 @@ def eval_cases(tmp):
     return out
 
 
-# rollout.backend=vllm (ROLLOUT, issue 28): the smoke config's model with head_dim 64 (vLLM-CPU has no
+# rollout.backend=vllm (ROLLOUT): the smoke config's model with head_dim 64 (vLLM-CPU has no
 # attention kernel for the smoke model's 16), vLLM without torch.compile (start-up ~35 s, not ~150 s)
 VLLM = ["rollout.backend=vllm", "model.options.hidden_size=128", "model.options.num_heads=2",
         "model.options.num_kv_heads=1", "rollout.vllm.enforce_eager=true", "rollout.vllm.kv_cache_gib=1",

@@ -1,8 +1,8 @@
 """Does an arm's rollout carry training signal from a given checkpoint? Measured before training it.
 
 The learning experiment (benchmarks/bench_learning.py, docs/learning.md) needs the rehearse arm's
-rollouts to pay a mean reward strictly inside (0.05, 0.95) with groups of non-zero advantage (issue
-25); v2's Ca arm did not (1.9%), which only showed after hours of training. This draws exactly the
+rollouts to pay a mean reward strictly inside (0.05, 0.95) with groups of non-zero advantage;
+v2's Ca arm did not (1.9%), which only showed after hours of training. This draws exactly the
 rollouts the trainer would draw in its first K RL steps (the arm's config and `--set`s, its tasks,
 seeds, group size, temperature and reward modes; the trainer's own `rollout()`), without any update,
 and reports per checkpoint and arm: mean task reward, the share of groups with zero ACT / REHEARSE
@@ -15,14 +15,13 @@ reward. Every (checkpoint, temperature, arm) runs in this one process, side by s
 One seed (`--seed`, the trainer's `seed`): another seed draws other tasks and samples (v2's Ca
 had reward 5.6% on seed 0 and exactly 0 on seeds 1 and 2), so probe the seeds you will train.
 
-The pass rule printed per row is the issue's: 0.05 < mean reward < 0.95 and at least one group with
+The pass rule printed per row is the experiment's: 0.05 < mean reward < 0.95 and at least one group with
 a non-zero ACT advantage. Without updates the K steps are K draws from the starting policy: they
 say what training's first steps see, not what later steps see once the policy has moved.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile

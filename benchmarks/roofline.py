@@ -360,7 +360,7 @@ def ours_logprobs(n, h, v, design, budget, n_all=None):
                         f"fp32 dW_b")
 
 
-# The workspace budget the roofline gives the dw_accum_dtype=bf16 design (the issue-17 bound);
+# The workspace budget the roofline gives the dw_accum_dtype=bf16 design (docs/gpu.md section 2);
 # the code's default (FUSED_WORKSPACE_BYTES_CUDA, 3 GiB) would hold twice the rows.
 BF16_ACC_BUDGET = 1.5 * 2 ** 30
 EPILOGUE_ROWS = 4096             # the fused-epilogue design: 4 chunks of 4096 rows at N=16384
@@ -651,7 +651,7 @@ def peer_records() -> list[dict]:
 
 
 def targets(recs: list[dict], budget_gib=1.5) -> list[dict]:
-    """The issue-17 targets at N=16384, H=4096, V=128256, all rows: fused loss <= 1.10x its
+    """The kernel targets (docs/gpu.md section 2) at N=16384, H=4096, V=128256, all rows: fused loss <= 1.10x its
     6NHV floor, linear_logprobs <= 1.10x its 8NHV floor, workspace <= budget; central estimate,
     with the range."""
     quarter = {(r["method"], r["design"]): r for r in recs
@@ -684,7 +684,7 @@ def targets(recs: list[dict], budget_gib=1.5) -> list[dict]:
 
 
 def fused_loss_ideas(dev_key="h200", n=None, h=None, v=None) -> list[dict]:
-    """The fused-loss variants weighed against the issue-17 targets (docs/gpu.md section 2), at
+    """The fused-loss variants weighed against the kernel targets (docs/gpu.md section 2), at
     the target shape by default. Only `budget 3 GiB` (the default) is what the code runs."""
     n, h, v = n or TARGET["N"], h or TARGET["H"], v or TARGET["V"]
     dev = DEVICES[dev_key]
@@ -798,7 +798,7 @@ def main(argv=None):
     ap.add_argument("--n", type=int, nargs="+", default=None)
     ap.add_argument("--fracs", type=float, nargs="+", default=None)
     ap.add_argument("--budget-gib", type=float, default=1.5,
-                    help="the workspace target the designs are checked against (issue 17: 1.5)")
+                    help="the workspace target the designs are checked against (docs/gpu.md: 1.5)")
     ap.add_argument("--workspace-gib", type=float, default=None,
                     help="budget of the vocabulary-outer plan (default: the code's, "
                          "kernels/_common.WORKSPACE_BYTES_CUDA)")
@@ -837,7 +837,7 @@ def main(argv=None):
     if measured:
         join_measured(recs, measured)
     print_table(recs, args.device)
-    print("\nissue-17 targets at N=16384, H=4096, V=128256, bf16, all rows (PREDICTED, central "
+    print("\nkernel targets (docs/gpu.md section 2) at N=16384, H=4096, V=128256, bf16, all rows (PREDICTED, central "
           "[optimistic - pessimistic]):")
     for t in targets(recs, args.budget_gib):
         lo, hi = t["time_vs_target_floor_range"]

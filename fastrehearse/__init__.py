@@ -15,6 +15,7 @@ def _map_source_kernels() -> None:
     `kernels/` folder, which the wheel installs as the subpackage. Map that one name there (lazily:
     nothing is imported until it is asked for). An installed package has its own `kernels/` and
     skips this; an editable install's own finder, ahead in sys.meta_path, answers first."""
+    # Imported here: at module level they would become attributes of the package (fastrehearse.sys).
     import importlib.abc
     import importlib.util
     import sys

@@ -18,6 +18,10 @@ import importlib
 import os
 import sys
 
+# The trainer (fastrehearse.train: torch and transformers, ~4 s) and yaml are imported inside the
+# functions that run after argument parsing, so `fastrehearse --help` and `train --help` answer at
+# once, and also on the kernels-only install, which has the command but not the [train] extra.
+
 
 def train_parser(prog: str = "fastrehearse train") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Train a tool-use agent by world rehearsal "

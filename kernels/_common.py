@@ -9,6 +9,8 @@ import warnings
 
 import torch
 
+from ._head import build_head
+
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("auto", "torch", "triton", "triton-fused")
 
@@ -83,7 +85,6 @@ def check_backend(backend: str, device: torch.device, *, weight=None, bias=None,
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     resolved = resolve_backend(backend, device)
     if weight is not None:
-        from ._head import build_head
         head, _ = build_head(bias, logit_softcap, logit_scale, weight, 1.0)
         check_fused_forward(backend, head)
     return resolved

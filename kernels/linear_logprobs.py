@@ -80,8 +80,9 @@ def head_logits(x_c, w, head, backend):
 class _LinearLogprobs(torch.autograd.Function):
     """Compacted rows in, per-row (logp, entropy) out. Entropy output is empty when unused.
 
-    `b` is the LM-head bias (or None) and `head` its HeadTransform (None: no variant, today's
-    paths unchanged; the torch backend then runs the vocabulary-blocked code of _blocked.py).
+    `b` is the LM-head bias (or None) and `head` its HeadTransform (None: no bias or soft-cap, a
+    lone scale folded into 1/T by build_head; the torch backend then runs the vocabulary-blocked
+    code of _blocked.py).
     """
 
     @staticmethod

@@ -8,7 +8,7 @@ U32 = 2.0 ** -24   # fp32 unit roundoff: ulp(x) / 2 <= U32 * |x|
 
 def fp32_atol(ref, floor=1e-5, mag=0.0, terms=1):
     """Absolute error allowed to a correct fp32 result against `ref`, under any summation order
-    (any instruction set, thread count or BLAS kernel; issue 43). Three stated parts:
+    (any instruction set, thread count or BLAS kernel; docs/tolerances.md). Three stated parts:
     - `floor`: the tolerance the test had for O(1) values (what it exists to catch sits above it);
     - 16 U32 * max|ref|: the result's own rounding. Two correct fp32 paths round a log-prob of
       size m at ulp(m) ~ 2 U32 m per step (ulp(75) = 7.6e-6: a fixed 1e-5 is 1.3 ulp there, which
@@ -56,7 +56,7 @@ def rel_err(a, b):
 
 def ref_policy_loss(x, w, t, roles, adv, old, ref, cfg, normalizers=None, token_weights=None,
                     pg_weights=None):
-    """float64 role-wise GRPO loss written out token by token from the spec (issue 3)."""
+    """float64 role-wise GRPO loss written out token by token from the spec (docs/kernels.md)."""
     n = x.shape[0]
     z = (x.double() @ w.double().T) / cfg.temperature
     lp_all = torch.log_softmax(z, dim=-1)
@@ -107,4 +107,4 @@ def row_rel_err(a, b):
     return (a.double() - b).norm(dim=1) / b.norm(dim=1)
 
 
-CONFIDENT_ROW_TOL = 1e-5   # per row of dX (measured <= 2e-6; the old one-hot form: up to 10)
+CONFIDENT_ROW_TOL = 1e-5   # per row of dX (measured <= 2e-6; the entry formed from 1 - p_t: up to 10)

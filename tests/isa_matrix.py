@@ -2,8 +2,8 @@
 
 torch's CPU kernels (and MKL's GEMM) sum in a different order for each instruction set
 (`ATEN_CPU_CAPABILITY=default | avx2 | avx512`), thread count and BLAS code path, so an fp32
-tolerance that fits one summation order can fail on another CPU (issue 43: an Intel Xeon
-dispatching to AVX-512 failed two tests that passed on the AMD machines). This runs the kernel,
+tolerance that fits one summation order can fail on another CPU (docs/tolerances.md: an Intel
+Xeon dispatching to AVX-512 fails bounds that pass on AMD machines). This runs the kernel,
 loss, packing, model, trainer-equivalence and adapter test files once per configuration and
 prints a table; it exits non-zero if any configuration fails.
 

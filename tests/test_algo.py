@@ -86,8 +86,8 @@ REAL_ROLES = [C, C, A, A, O, O, A]     # a call executed for real: no REHEARSE t
 @pytest.mark.parametrize("loo", [False, True])
 def test_role_baseline_only_over_episodes_where_the_role_acted(loo):
     """Hybrid rollouts: real-call episodes (reward 1, no REHEARSE token) must not enter the
-    REHEARSE baseline -- pooled, every rehearsal got a negative advantage and the world model
-    collapsed in the issue-15 experiment."""
+    REHEARSE baseline: pooled, every rehearsal gets a negative advantage (the world model collapsed
+    that way in the first learning experiment, benchmarks/results/learning_smollm2.*)."""
     eps = [_ep("h", 1.0, roles=REAL_ROLES), _ep("h", 1.0, roles=REAL_ROLES),
            _ep("h", 0.0), _ep("h", 0.5),                     # rehearsed
            _ep("s", 1.0, roles=REAL_ROLES), _ep("s", 0.0)]   # one rehearsal in its group

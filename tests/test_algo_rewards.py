@@ -44,7 +44,7 @@ def _modes(task, traj):
 
 
 def test_faithful_report_of_a_rehearsed_world_scores_1_consistent_0_real():
-    """The issue's judged case: the world model says 1234.56, the real balance differs, the policy
+    """A faithful report of a rehearsed world: the world model says 1234.56, the real balance differs, the policy
     reports what it saw."""
     task = _easy("get_balance")
     aid = task.payload["required_calls"][0]["arguments"]["account_id"]

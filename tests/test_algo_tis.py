@@ -91,7 +91,8 @@ def test_apply_tis_over_batches_gives_each_batch_its_weights():
         tw, _ = tis_weights(b.old_logp, r, 1.2)
         assert torch.equal(w, tw)
     # in float64, as apply_tis computes them: an fp32 subtract + exp + 8-term mean here would
-    # round at ~3e-7 relative, a third of the 1e-6 below, in whichever order the CPU sums (issue 43)
+    # round at ~3e-7 relative, a third of the 1e-6 below, in whichever order the CPU sums
+    # (docs/tolerances.md)
     ratios = torch.cat([(o.double() - r.double()).exp()[torch.isfinite(r)]
                         for o, r in zip(old, roll)])
     assert st["tis_tokens"] == ratios.numel() == 8

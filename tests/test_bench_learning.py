@@ -99,7 +99,7 @@ def test_dry_run_prints_the_matched_plan(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = [ln.strip() for ln in r.stdout.splitlines()]
     train = [ln for ln in lines if " fastrehearse train " in f" {ln} "]
-    seeds = {"R": 4, "Ca": 4, "Cc": 3, "H": 3, "S": 2}             # the minimums are the default
+    seeds = {"R": 4, "Ca": 4, "Cc": 3, "H": 3, "S": 2}             # the plan's minimum seeds: the default
     assert len(train) == 1 + sum(seeds.values())
     assert not (tmp_path / "runs").exists()
     warm = f"{tmp_path / 'runs'}/warmup/export"

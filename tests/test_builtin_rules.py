@@ -6,7 +6,7 @@ import json
 import pytest
 
 from fastrehearse.envs.base import Trajectory
-from fastrehearse.envs.builtin import BuiltinSuite, expectations, rules, scoring
+from fastrehearse.envs.builtin import BuiltinSuite, expectations, scoring
 from fastrehearse.envs.builtin.tasks import TEMPLATES
 from fastrehearse.envs.builtin.tools import execute
 from fastrehearse.envs.builtin.world import make_world

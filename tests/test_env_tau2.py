@@ -157,7 +157,7 @@ def test_user_simulator_domains_off_without_endpoint(monkeypatch):
 
 def test_evaluator_crash_is_an_error_not_a_zero(telecom, monkeypatch):
     """tau2's evaluate_simulation raising is not a grade: score raises Tau2ScoreError naming the
-    task and the cause (it used to return 0.0, a failure recorded as a score)."""
+    task and the cause (a 0.0 would record a failure of the checker as the agent's score)."""
     from fastrehearse.envs.tau2 import Tau2ScoreError, import_tau2
 
     task = telecom[0]

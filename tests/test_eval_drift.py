@@ -96,10 +96,10 @@ def test_units_and_formats():
 
 
 def test_units_drift_is_solvable_on_builtin():
-    """The `units` drift used to return cents under the unchanged key while the answer was graded in
-    dollars: nothing told the agent, so no answer could pass (a 75% cap on the drift metric). Now
-    the key names the unit, and an answer in either unit passes: read off the response (cents) or
-    converted (dollars). A wrong value, or a count that happens to be rescaled, still fails."""
+    """The `units` drift renames the key to name the unit, and an answer in either unit passes:
+    read off the response (cents) or converted (dollars); cents under an unchanged key graded in
+    dollars would tell the agent nothing and no answer could pass. A wrong value, or a count that
+    happens to be rescaled, still fails."""
     suite = BuiltinSuite(level="easy", easy_answer=True)
     task = next(t for t in suite.tasks("test", 60) if t.payload["required_calls"][0]["name"] == "get_balance")
     call = task.payload["required_calls"][0]
@@ -114,7 +114,7 @@ def test_units_drift_is_solvable_on_builtin():
 
     def score(answer):
         return env.score(task, Trajectory(messages=msgs + [{"role": "assistant", "content": answer}]))
-    assert score(f"The balance is {cents} cents.") == 1.0          # the old scorer: 0
+    assert score(f"The balance is {cents} cents.") == 1.0          # graded in dollars only: 0
     assert score(f"The balance is {cents:,} cents.") == 1.0
     assert score(f"The balance is {dollars:.2f} USD.") == 1.0
     assert score(f"The balance is {cents + 1} cents.") == 0.0
@@ -270,8 +270,8 @@ def test_drift_env_forwards_every_protocol_member():
 
 def test_fidelity_pass_resumes_after_a_kill(tmp_path):
     """The fidelity pass keeps nothing on disk until it ends. A run killed after scoring but before
-    that pass ended used to resume with every item 'done' and report no fidelity at all (the bench
-    then read it as 'no calls made'): the resumed pass must cover the items scored before."""
+    that pass ended must not resume with every item 'done' and no fidelity at all (a bench reads
+    that as 'no calls made'): the resumed pass covers the items scored before."""
     from fastrehearse.eval.runner import evaluate_items
     from fastrehearse.model import load_model
 

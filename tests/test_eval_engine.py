@@ -2,7 +2,6 @@
 greedy model and items; errors are never scores; the CLI refuses bad arguments before loading."""
 import importlib.util
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -34,8 +33,8 @@ def _items(out: Path) -> dict:
 def test_engine_eval_matches_the_recorded_hf_generate_reference(tmp_path, reference, run_index):
     """Same greedy model, same items: the same score, steps, real calls and malformed calls on every
     item, and the same first turn (the first prompt is the same token for token; later turns may
-    differ where the old harness re-tokenized the conversation). Every turn here is cut by
-    max_new_tokens: multi-turn items take one turn per user turn, as in the old harness and BFCL."""
+    differ: the harness that recorded the reference re-tokenized the conversation). Every turn here
+    is cut by max_new_tokens: multi-turn items take one turn per user turn, as in that harness and BFCL."""
     mod, ref, loaded = reference
     run = ref["runs"][run_index]
     argv = ["--suite", run["suite"], "--categories", *run["categories"], "--limit", str(run["limit"]),

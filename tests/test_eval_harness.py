@@ -12,7 +12,7 @@ from fastrehearse.eval.harness import HarnessConfig, run_items
 from fastrehearse.eval.results import ResultStore
 from fastrehearse.eval.runner import EvalSettings, eval_engine
 from fastrehearse.model import load_tokenizer
-from fastrehearse.rollout.engine.policy import GoldPolicy, ScriptedPolicy, Turn
+from fastrehearse.rollout.engine.policy import GoldPolicy, ScriptedPolicy
 from fastrehearse.rollout.text.template import assistant_text
 
 

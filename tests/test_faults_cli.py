@@ -1,4 +1,4 @@
-"""User mistakes in `fastrehearse train` (issue 14): one line naming the problem, exit code 2, no
+"""User mistakes in `fastrehearse train` (docs/faults.md): one line naming the problem, exit code 2, no
 traceback, and (where the mistake is in the config) before any weights load."""
 import json
 import struct
@@ -62,7 +62,7 @@ def test_config_mistakes_fail_before_the_model_loads(capsys, tmp_path, no_weight
 
 
 def test_options_mapping_override_merges():
-    """`--set env.options={level: mixed}` used to replace the whole dict (n_train, tools lost)."""
+    """`--set env.options={level: mixed}` merges into the dict: n_train and tools stay."""
     cfg = load_config(SMOKE, ["env.options={level: mixed}"])
     assert cfg.env.options == {"level": "mixed", "tools": "task", "n_train": 64, "n_test": 16}
     cfg = load_config(SMOKE, ["model.options={hidden_size: 32}"])
@@ -111,8 +111,8 @@ def test_cuda_without_cuda(capsys, tmp_path, no_weights):
 
 
 def test_run_dir_holding_a_run_is_refused(capsys, tmp_path, no_weights):
-    """Training into a finished run's directory used to delete each new checkpoint (rotation kept
-    the old run's higher steps)."""
+    """Training into a finished run's directory is refused: checkpoint rotation would keep that
+    run's higher steps and delete each new checkpoint."""
     run = tmp_path / "run"
     (run / "checkpoints" / "step_00000005").mkdir(parents=True)
     (run / "checkpoints" / "step_00000005" / "COMPLETE").write_text("{}")
@@ -154,7 +154,8 @@ def test_presets_pass_preflight_where_their_model_exists():
 
 
 def test_prompt_longer_than_max_episode_tokens_is_refused(capsys, tmp_path):
-    """It used to train on 0 tokens and exit 0."""
+    """A prompt longer than rollout.max_episode_tokens is refused (exit 2), not trained on as 0
+    tokens with exit 0."""
     rc, err = _train(capsys, tmp_path, "rollout.max_episode_tokens=64", "max_tokens=64")
     _one_line_2(rc, err, "'rollout.max_episode_tokens'", "nothing would be generated or trained")
     assert not (tmp_path / "run" / "config.yaml").exists()

@@ -1,5 +1,5 @@
 """Run-directory and resume faults with the real `fastrehearse train` command on configs/smoke.yaml
-(issue 14): reusing a run_dir, resuming with changed settings, a torn metrics line, a corrupt
+(docs/faults.md): reusing a run_dir, resuming with changed settings, a torn metrics line, a corrupt
 newest checkpoint, and a full disk (a small tmpfs; skipped where it cannot be mounted)."""
 import json
 import os
@@ -62,7 +62,8 @@ def test_reuse_is_refused_and_overwrite_keeps_the_new_run(base, tmp_path):
 
 
 def test_resume_follows_a_changed_lr_and_steps(base, tmp_path):
-    """--resume used to restore the old LR schedule (LambdaLR state) while config.yaml said the new."""
+    """--resume with a changed LR and step count follows the new config.yaml, not the LR schedule
+    (LambdaLR state) saved in the checkpoint."""
     from fastrehearse.train.config import load_config
     from fastrehearse.train.build import LRSchedule
     d = _copy(base, tmp_path)
@@ -81,8 +82,8 @@ def test_resume_follows_a_changed_lr_and_steps(base, tmp_path):
 
 
 def test_torn_metrics_line_and_corrupt_newest_checkpoint_resume(base, tmp_path):
-    """One torn metrics line used to block --resume; a corrupt newest checkpoint gave a torch
-    traceback with no fallback."""
+    """A torn metrics line does not block --resume, and a corrupt newest checkpoint falls back to
+    the previous one instead of ending in a torch traceback."""
     d = _copy(base, tmp_path)
     with open(d / "metrics.jsonl", "a") as f:
         f.write('{"time": 1, "stage": "rl", "lo')
@@ -110,7 +111,8 @@ def _can_mount_tmpfs(tmp_path) -> bool:
 
 
 def test_full_disk_names_the_path_and_keeps_the_last_checkpoint(tmp_path):
-    """A full disk used to say "unexpected pos 704 vs 598"; the last complete checkpoint must stay."""
+    """A full disk is reported naming the path (not torch's "unexpected pos 704 vs 598"), and the
+    last complete checkpoint stays."""
     if not _can_mount_tmpfs(tmp_path):
         pytest.skip("cannot mount a tmpfs here (needs unshare -rm)")
     mnt, out_dir = tmp_path / "mnt", tmp_path / "out"

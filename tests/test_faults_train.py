@@ -1,4 +1,4 @@
-"""Faults inside the trainer, in one process (issue 14): non-finite updates rolled back, checkpoints
+"""Faults inside the trainer, in one process (docs/faults.md): non-finite updates rolled back, checkpoints
 of non-finite weights refused, rotation keeps the checkpoint just written, a checkpoint that fails
 to load falls back to the previous one, torn metrics lines, full disks, plots that fail, and
 zero_signal_groups with groups of one."""
@@ -37,7 +37,8 @@ def _params(run):
 
 
 def test_nonfinite_update_is_rolled_back_and_counted_then_stops(run):
-    """optim.lr=inf used to apply the update: NaN weights, checkpointed as COMPLETE."""
+    """optim.lr=inf: the non-finite update is rolled back and counted, never applied (NaN weights
+    checkpointed as COMPLETE), and the run stops."""
     from _train_dist_worker import episodes
     eps = episodes(len(run.tokenizer))
     run.state.consecutive_skips = run.state.skipped_steps = 0

@@ -61,7 +61,7 @@ def test_tile_stats_match_float64(case, temperature):
     # fp32 rounding of each logit s = (x . w) / T is ~2^-24 (sum_k |x_k w_k|) / T; logp and lse
     # inherit it, plus ~1e-6 of the softmax math itself, plus the rounding of each result at its
     # own size (16 U32 |ref|: lse ~ 500-780 in large_logits has an ulp of 3-6e-5, which the first
-    # two terms left out: 1.9-2.7x margins here, issue 43)
+    # two terms leave out: 1.9-2.7x margins here, docs/tolerances.md)
     mag = float((x.double().abs() @ w.double().abs().T).max()) * inv
     for name, a, b in zip(("logp", "ent", "lse", "off", "off_ent"), got, ref):
         assert a.dtype == torch.float32 and a.shape == (n,), name

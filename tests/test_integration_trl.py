@@ -109,9 +109,9 @@ def train(cls, model, tmp_path, extra=None, **over):
     return trainer, rec.grads
 
 
-# Global gradient-norm ratio, every step. It was 1e-6 at step 0: an Intel Xeon (AVX-512 MKL / ATen
-# kernels) gave 1.09e-6 and 1.14e-6 for two correct runs (issue 43), i.e. that bound sat at the
-# fp32 noise of two differently ordered backward passes. 1e-5 is the element check's own bound
+# Global gradient-norm ratio, every step. Not 1e-6: an Intel Xeon (AVX-512 MKL / ATen kernels)
+# gives 1.09e-6 and 1.14e-6 for two correct runs (docs/tolerances.md), the fp32 noise of two
+# differently ordered backward passes. 1e-5 is the element check's own bound
 # (a global scale error s shows in every element as s * max|g|, so it fails both at s > 1e-5),
 # ~9x the worst correct gap seen. The smallest bug these tests exist to catch (an entropy bonus
 # of 0.05 dropped or sign-flipped) moves the norm by > 1e-3:
@@ -317,8 +317,8 @@ def test_loss_normalizers_match_trl_on_uneven_batch(tmp_path, loss_type, level, 
 def test_vllm_importance_ratio_fused_with_kl_and_entropy(tmp_path, loss_type, beta, entropy_coef):
     """TRL's vLLM importance-sampling correction (on by default with use_vllm) scales the policy
     term per token and leaves the KL term and entropy bonus unscaled: the kernel's pg_weights do
-    exactly that, so the loss stays fused with beta != 0 and an entropy bonus too (with beta != 0
-    TRL's own loss used to run)."""
+    exactly that, so the loss stays fused with beta != 0 and an entropy bonus too (the adapter does
+    not fall back to TRL's own loss)."""
     compare_compute_loss(tmp_path, dict(loss_type=loss_type, entropy_coef=entropy_coef), True,
                          True, beta=beta,
                          attrs={"use_vllm": True, "vllm_importance_sampling_correction": True},
@@ -501,7 +501,7 @@ def test_autocast_hidden_dtype_differs_from_head():
     assert model.model.norm.weight.grad.dtype == torch.bfloat16
 
 
-# ---- TRL's defaults: bf16 autocast with a reference model (issue 26, failure 1) -----------------
+# ---- TRL's defaults: bf16 autocast with a reference model --------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -551,7 +551,7 @@ def test_head_check_like_with_like_under_autocast():
         fr_trl.patch_fused_lm_head(model)
 
 
-# ---- MoE: the router aux loss, fused and through TRL's loss (issue 26, failure 2) ----------------
+# ---- MoE: the router aux loss, fused and through TRL's loss -------------------------------------
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "trl_loss"])

@@ -2,7 +2,7 @@
 Gemma3's final_logit_softcapping, Cohere's logit_scale, Granite's logits_scaling, an lm_head
 bias) and the kernels then reproduce the model's own logits' log_softmax (fp32: 1e-5 plus 8-16 ulps of
 the largest |log-prob|, `fp32_atol`: these heads make log-probs of -35 to -90, where 1e-5 is 1-3 ulps
-and failed under other summation orders, issue 43); heads it cannot express are refused when the
+and fails under other summation orders: docs/tolerances.md); heads it cannot express are refused when the
 model is wrapped, naming the setting. Every tolerance has a negative control: the bug it exists
 for (the setting dropped, attention leaking across the packed episodes) exceeds it."""
 import dataclasses

@@ -1,5 +1,5 @@
 """The torch backend works where triton is absent, and `import fastrehearse.kernels` pulls in
-neither triton nor transformers / trainer code (issue 16: a kernels-only install)."""
+neither triton nor transformers / trainer code (the kernels-only install, `pip install fastrehearse`)."""
 import subprocess
 import sys
 

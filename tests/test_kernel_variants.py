@@ -90,8 +90,9 @@ def test_linear_logprobs_head_variants_match_float64(backend, name, dtype):
         assert bk.grad.dtype == dtype and rel_err(bk.grad, br.grad) <= gtol
 
 
-def test_head_variant_without_variant_is_todays_path_bitwise():
-    """logit_scale=None/bias=None/logit_softcap=None and scale 1.0 give exactly today's results."""
+def test_head_without_settings_is_the_plain_path_bitwise():
+    """logit_scale=None/bias=None/logit_softcap=None and scale 1.0 give exactly the results of a call
+    without those arguments (the plain-head path)."""
     x, w, _, _, _, t, mask = _head_inputs("bias", 17, 16, 200, torch.float32, 3)
     for backend in BACKENDS:
         a = linear_logprobs(x, w, t, mask=mask, with_entropy=True, backend=backend)
@@ -296,7 +297,7 @@ def test_sequence_level_needs_seq_ids_and_checks_them():
         linear_policy_loss(*args, backend="torch", seq_ids=bt["seq"][:-1])
 
 
-# ---- config validation and normalizers (issue 14) ----------------------------------------------
+# ---- config validation and normalizers -----------------------------------------------------------
 
 
 def test_config_validated_on_assignment_too():
@@ -361,10 +362,10 @@ def test_triton_tanh_is_accurate_to_a_few_ulp():
     """The head kernels write tanh out (no libdevice under the interpreter): relative error
     against float64 over tiny, boundary (0.25) and saturated arguments, and of 1 - tanh^2.
     Bound 16 U32 (~1e-6): the interpreter's exp is numpy's, whose float32 result differs by
-    1-2 ulps across SIMD targets; with a 2-ulp exp the quotient form reaches 5e-7, the old bound
-    (issue 43). The bugs this exists for -- the quotient used at small |x| (relative error ~1 at
-    1e-7), a wrong-sign series coefficient (~3e-5) -- stay far above it
-    (test_tanh_bound_catches_planted_series_bugs)."""
+    1-2 ulps across SIMD targets; with a 2-ulp exp the quotient form reaches 5e-7, so a 5e-7 bound
+    fails on some CPUs (docs/tolerances.md). The bugs this exists for -- the quotient used at
+    small |x| (relative error ~1 at 1e-7), a wrong-sign series coefficient (~3e-5) -- stay far
+    above it (test_tanh_bound_catches_planted_series_bugs)."""
     from fastrehearse.kernels._head import HeadTransform
     x = torch.cat([torch.linspace(-3, 3, 2001), torch.logspace(-8, 2, 500),
                    -torch.logspace(-8, 2, 500), torch.tensor([0.0, 0.25, -0.25, 0.2499999, 1e4])])

@@ -1,6 +1,6 @@
 """The vocabulary-outer backward (kernels/_vocab_outer.py: Triton backend and LM-head variants):
 float64 references at plans with one and several row groups and many vocabulary blocks (Triton
-through TRITON_INTERPRET=1, fp32/fp16 inputs), the budget arithmetic at the issue's GPU shape,
+through TRITON_INTERPRET=1, fp32/fp16 inputs), the budget arithmetic at the target GPU shape,
 and that with one row group no dW accumulator is read back."""
 import pytest
 import torch
@@ -87,7 +87,7 @@ def test_vocab_outer_backward_matches_float64(plan, backend, variant, dtype):
         assert rel_err(bk.grad, br.grad) <= tol
 
 
-def test_plan_at_the_issue_shape_fits_the_budget_and_writes_dw_once():
+def test_plan_at_the_target_shape_fits_the_budget_and_writes_dw_once():
     """N=16384, H=4096, V=128256, bf16 on CUDA: all rows in one group (each dW block written
     once), workspace (fp32 dX accumulator + logits/dZ blocks + an fp32 dW block) <= 1 GiB."""
     n, h, v = 16384, 4096, 128256

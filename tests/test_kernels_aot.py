@@ -54,7 +54,7 @@ SHAPES = [(4096, 128256), (2048, 151936)]          # (H, V)
 DTYPE = torch.bfloat16
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "kernels_aot_sm90.json"
 
-# Boolean constexprs allowed to be launched with one value only (name -> why). Empty today.
+# Boolean constexprs allowed to be launched with one value only (name -> why); none is.
 ONE_SIDED_OK: dict[tuple[str, str], str] = {}
 
 

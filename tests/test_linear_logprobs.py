@@ -37,7 +37,7 @@ def _poison_empty():
 def _logp_tol(x, w, lp_ref, temperature=1.0, floor=LOGP_TOL):
     """LOGP_TOL plus the fp32 rounding that grows with the logits (`logits_atol`): the large-logit
     cases reach |logp| ~ 500-900, where ulp(logp) is 3-6e-5 and a fixed 1e-4 is 1.6-3 ulps, one
-    summation order from failing (issue 43). The same bound serves the entropy (its error comes
+    summation order from failing (docs/tolerances.md). The same bound serves the entropy (its error comes
     from the same |z|). What these tests catch -- a block merge / rescale / mask gone wrong,
     an overflowing block not recomputed -- is O(1) nats or inf / NaN."""
     return logits_atol(x, w, lp_ref, temperature, floor)

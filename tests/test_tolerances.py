@@ -1,4 +1,4 @@
-"""The suite's fp32 tolerance (`_kernel_ref.fp32_atol`, issue 43) checked in both directions on
+"""The suite's fp32 tolerance (`_kernel_ref.fp32_atol`, docs/tolerances.md) checked in both directions on
 the inputs where it matters most, logits of a few hundred: every summation order a CPU may use
 passes it, and the bugs the kernel tests exist for fail it by a wide margin.
 

@@ -1,8 +1,7 @@
-"""Collectives that are right on every backend (issue 24): the trainer's full SFT + RL step under
-torchrun with the compute device simulated as an accelerator (tests/_placement.py) and strict
-collectives: no host tensor reaches a collective, and with a 1-rank group every collective still
-runs (as on one GPU). Fails on the trainer before issue 24 (host counters; collectives skipped at
-world size 1)."""
+"""Collectives that are right on every backend: the trainer's full SFT + RL step under torchrun
+with the compute device simulated as an accelerator (tests/_placement.py) and strict collectives:
+no host tensor reaches a collective, and with a 1-rank group every collective still runs (as on
+one GPU). A counter kept on the host, or a collective skipped at world size 1, fails it."""
 import sys
 from pathlib import Path
 

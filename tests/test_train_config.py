@@ -352,7 +352,7 @@ def test_component_checks_name_their_section():
 
 
 def test_malformed_reward_is_the_trainers_and_reaches_assign_rewards(monkeypatch):
-    """`rollout.malformed_reward` (same key path as before) lives in the trainer's rollout section,
+    """`rollout.malformed_reward` (the key path users write) lives in the trainer's rollout section,
     not in the engine's config, and is what the trainer's rewards apply."""
     from types import SimpleNamespace
 

@@ -70,9 +70,9 @@ def test_two_processes_match_one(single, tmp_path):
 def test_reuse_of_rollout_logprobs_is_decided_by_all_ranks(tmp_path):
     """One non-finite rollout log-prob on one rank only (the episode is packed there): every rank
     recomputes the old log-probs together, so world size 2 gives the world-size-1 update (the
-    same 1e-5 tolerances as above: sums split across ranks) and ends. Before, that rank alone ran
-    a policy forward while the other went on to the loss: paired FSDP all-gathers of other
-    layers, then a hang."""
+    same 1e-5 tolerances as above: sums split across ranks) and ends. Were that rank alone to run
+    a policy forward while the other went on to the loss, FSDP would pair all-gathers of
+    different layers, then hang."""
     flag = "--nan-rollout-logprob=4"
     one, two = tmp_path / "w1.pt", tmp_path / "w2.pt"
     _check([_popen([sys.executable, WORKER, str(one), flag])])

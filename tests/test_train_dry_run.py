@@ -1,4 +1,4 @@
-"""`fastrehearse train --dry-run --world-size N` (issue 24): the run built and sharded on torch's fake
+"""`fastrehearse train --dry-run --world-size N`: the run built and sharded on torch's fake
 process group, a per-rank memory plan, exit 2 with one line when it does not fit; nothing written."""
 import json
 import math

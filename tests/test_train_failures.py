@@ -1,5 +1,5 @@
 """A failure on one rank of a multi-node job stops every node in bounded time and rank 0 says
-where (issue 42). Two torchrun launchers on loopback (1 rank each), `fastrehearse train` on the
+where. Two torchrun launchers on loopback (1 rank each), `fastrehearse train` on the
 smoke preset with one fault planted on one rank (tests/_fault_worker.py): a rank raising in the
 rollout, the optimizer step or the checkpoint; a rank hanging (rank 1, and rank 0, whose launcher
 hosts the rendezvous store) with dist.timeout_s=20; a launcher SIGKILLed under its workers."""

@@ -100,7 +100,7 @@ def test_lr_schedule_and_task_stream():
 
 def test_sft_without_gold_is_refused_before_the_model_loads(tmp_path, monkeypatch):
     """sft.steps > 0 on a split without gold trajectories: a ConfigError naming the key from
-    build_tasks, before any weights load (it used to surface at the first SFT step)."""
+    build_tasks, before any weights load (not at the first SFT step, after the load)."""
     from fastrehearse.envs.builtin.suite import BuiltinSuite
     from fastrehearse.train import model_init
     from fastrehearse.train.config import ConfigError

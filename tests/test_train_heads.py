@@ -3,7 +3,7 @@ LM-head settings to the kernels, and the RL head's loss and LM-head gradient equ
 reference: on a tiny Cohere (logit_scale) and a Qwen2 with an lm_head bias,
 the log-probs the trainer computes equal the model's own forward (fp32: 1e-5 plus 8-16 ulps of the
 largest |log-prob|, `fp32_atol`; these heads give log-probs of -15 to -40, where a fixed 1e-5 is
-2-5 ulps, issue 43). The negative control drops the head settings: the bug these tests exist for."""
+2-5 ulps: docs/tolerances.md). The negative control drops the head settings: the bug these tests exist for."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""Sharded construction and loading (issue 24): a sharded run builds the model on meta, shards it and
+"""Sharded construction and loading: a sharded run builds the model on meta, shards it and
 reads only its rows of each tensor from the safetensors files; the reference and the generation copy
 come from the policy's shards. What it trains on must be exactly what from_pretrained loads --
 tied embeddings one parameter, biases, norms, RoPE buffers -- at 1 rank (a group of one) and 2."""

@@ -26,16 +26,17 @@ per rehearsed response to a call (name, arguments),
             where one exists (hybrid, or rollout.measure_fidelity): never in a pure rehearse run
             unless the config asks for it.
   r = (w_f F + w_g G) / (w_f + w_g) where G exists, else F; the episode's REHEARSE reward is the
-  mean over its rehearsed responses (a rehearsal cut by a limit counts 0). mode="task" keeps
-  today's rule: REHEARSE gets the episode's task reward.
+  mean over its rehearsed responses (a rehearsal cut by a limit counts 0). With mode="task",
+  REHEARSE gets the episode's task reward instead.
 Its advantage then uses its own reward and its own baseline (algo/advantages.py: per task group,
 over the episodes that rehearsed); AdvantageConfig.gate_rehearse_on_act zeroes it in groups where
 ACT has no signal.
 
 Hybrid ACT strata (`algo.hybrid_baseline: strata`): each hybrid episode is tagged
 metadata["stratum"] = "real" (some call executed for real) or "rehearsed" (none), and ACT's
-baseline is taken within (task, stratum), so the hybrid_p coin flip no longer decides the sign of
-ACT's advantage. A stratum of one episode has no baseline (advantage 0).
+baseline is taken within (task, stratum), so the hybrid_p coin flip does not decide the sign of
+ACT's advantage (with one baseline over both strata it would: the strata's rewards differ). A stratum
+of one episode has no baseline (advantage 0).
 """
 from __future__ import annotations
 

@@ -208,6 +208,7 @@ def _tool_call_msg(name: str, kwargs: dict) -> dict:
 def _turn_message(turn: list[dict], added_docs: list[dict]) -> dict:
     """One user message for a BFCL turn (a held-out turn has none: BFCL's own text is used)."""
     if not turn:
+        # bfcl_eval (optional) only where an item is built: this module imports without it
         from bfcl_eval.constants.default_prompts import DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING
         content = DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING.format(
             functions=json.dumps([bfcl_compat.func_doc_to_tool(d) for d in added_docs]))

@@ -161,7 +161,7 @@ def func_doc_to_tool(doc: dict) -> dict:
     (`convert_to_tool` with GORILLA_TO_OPENAPI types: dict->object, float->number plus a "This is a
     float type value." note, tuple->array, any->string). Function names keep their dots (the
     style BFCL uses for models that accept them), so BFCL's checkers see the names unchanged."""
-    install_shim()
+    install_shim()   # bfcl_eval is importable only behind the shim
     from bfcl_eval.constants.enums import ModelStyle
     from bfcl_eval.constants.type_mappings import GORILLA_TO_OPENAPI
     from bfcl_eval.model_handler.utils import convert_to_tool

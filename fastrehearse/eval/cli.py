@@ -21,14 +21,21 @@ import sys
 import time
 from typing import Any
 
+import torch
+from tqdm import tqdm
+
 from fastrehearse.eval import aggregate, report, suites
 from fastrehearse.eval.drift import DriftEnv, DriftSpec
-from fastrehearse.eval.rehearsal import DEFAULT_PREFIX_CACHE_BYTES
+from fastrehearse.eval.rehearsal import DEFAULT_PREFIX_CACHE_BYTES, RehearsalPolicy
 from fastrehearse.eval.rehearsal import FORMS as REHEARSAL_FORMS, MODES as REHEARSAL_MODES
 from fastrehearse.eval.results import ResultStore, per_category
-from fastrehearse.eval.runner import EVAL_ROLLOUT, EvalSettings, evaluate_items, fidelity_pending
+from fastrehearse.eval.runner import EVAL_ROLLOUT, EvalSettings, eval_engine, evaluate_items, fidelity_pending
 from fastrehearse.rollout.backends.vllm_options import BACKENDS
 from fastrehearse.rollout.config import CUT_OUTCOMES, MALFORMED_OUTCOMES
+from fastrehearse.rollout.engine.policy import GoldPolicy, ModelPolicy
+
+# fastrehearse.train.config and fastrehearse.model import transformers (about 2.5 s): they are
+# imported in the functions that need them, so `fastrehearse eval --help` does not wait for them.
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,16 +177,13 @@ def load(args: argparse.Namespace, loaded=None):
             raise UsageError(f"--policy {args.policy}: {e}") from None
     model, tok = loaded
     if args.policy == "gold":
-        from fastrehearse.rollout.engine.policy import GoldPolicy
         return model, tok, GoldPolicy()
     if args.rehearsal_budget:
-        from fastrehearse.eval.rehearsal import RehearsalPolicy
         return model, tok, RehearsalPolicy(
             model, tok, args.rehearsal_budget, form=args.rehearsal_commit, mode=args.rehearsal_mode,
             horizon=args.rehearsal_horizon, temperature=args.rehearsal_temperature,
             max_new_tokens=args.max_new_tokens, max_episode_tokens=args.max_episode_tokens,
             prefix_cache_bytes=int(args.rehearsal_cache_gib * 2**30), backend=args.backend)
-    from fastrehearse.rollout.engine.policy import ModelPolicy
     return model, tok, ModelPolicy()
 
 
@@ -268,8 +272,6 @@ def main(argv: list[str] | None = None) -> int:
 def resolve_device_dtype(device: str, dtype: str) -> tuple[str, str]:
     """--device auto: CUDA when present; --dtype auto: bfloat16 on CUDA, float32 on the CPU (as
     the trainer's model.precision auto). Anything else must name a device / dtype."""
-    import torch
-
     from fastrehearse.model.loader import resolve_dtype
     if device not in ("auto", "cpu", "cuda"):
         raise UsageError(f"--device must be auto, cpu or cuda, got {device!r}")
@@ -364,7 +366,6 @@ def run(args: argparse.Namespace, loaded=None) -> dict[str, Any]:
     t0 = time.perf_counter()
     if todo or fid_todo:
         model, tok, policy = load(args, loaded)
-        from tqdm import tqdm
         bar = tqdm(total=todo, desc=f"eval {args.suite}/{args.policy}", disable=args.quiet, file=sys.stderr)
         seen = [0, 0.0]   # items scored, summed score
 
@@ -407,7 +408,6 @@ def _start_backend(model, tok, s: EvalSettings) -> float:
     apart from the rollouts); 0 for hf and for gold (nothing sampled)."""
     if s.rollout.backend != "vllm" or model is None:
         return 0.0
-    from fastrehearse.eval.runner import eval_engine
     from fastrehearse.rollout.backends.vllm_backend import VLLMStartError
     try:
         return eval_engine(model, tok, s).backend.startup_s

@@ -17,9 +17,9 @@ SPEC: comma-separated perturbations, each `name` or `name:arg`:
                     Solvable both ways: the unit is visible in the response, and `score` also
                     accepts the answer stated in the returned unit (a number of the final answer
                     equal to a value this episode's responses returned scaled is read back in the
-                    original unit before the wrapped env grades it). Before this, the key kept its
-                    name while the answer was still graded in dollars: nothing told the agent the
-                    unit had changed, so those items were unsolvable.
+                    original unit before the wrapped env grades it). Both are needed: under an
+                    unchanged key with the answer graded in dollars, nothing would tell the agent
+                    the unit had changed and the item could not be solved.
   formats           ISO dates YYYY-MM-DD -> DD/MM/YYYY, booleans -> "yes"/"no", floats -> strings
                     with two decimals
   remove:TOOL       the tool disappears: dropped from the schemas, and calling it fails as unknown
@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastrehearse.envs.base import ResetResult, Task, ToolCall, ToolEnv, ToolResult, Trajectory, WrappedEnv
+from fastrehearse.rollout.text.toolcall import parse_tool_calls
 
 KINDS = ("rename", "errors", "units", "formats", "remove", "seed", "all")
 _MONEY = re.compile(r"(amount|price|balance|cost|total|fee)", re.I)
@@ -227,7 +228,6 @@ def _call_names(message: dict) -> list[str]:
     """Tool names an assistant message called, valid or not (syntax-only parse of its raw text)."""
     raw = message.get("raw_text")
     if isinstance(raw, str):
-        from fastrehearse.rollout.text.toolcall import parse_tool_calls
         return [c.call.name for c in parse_tool_calls(raw, None).calls if c.ok]
     return [tc.get("function", tc).get("name") for tc in message.get("tool_calls") or []]
 

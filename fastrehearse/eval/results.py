@@ -117,8 +117,8 @@ class ResultStore:
 
 # Keys a rerun may change without invalidating finished items (more items, smaller batches).
 _RESUME_FREE_KEYS = {"limit", "batch_size", "categories", "prefill_batch_cells", "time_limit_s"}
-# run.json keys renamed since a directory was written (the engine's name now), and keys added
-# since, with the value every older run had: such a directory resumes under the new names.
+# An older run.json resumes: a key under its earlier name is read under the engine's name, and a
+# key it lacks takes the value every run had before the key existed.
 _RENAMED_KEYS = {"max_steps": "max_turns"}
 _ADDED_KEYS = {"on_max_new_tokens": "end_turn", "on_malformed": "error_response", "offset": 0}
 

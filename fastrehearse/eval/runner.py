@@ -23,6 +23,7 @@ from fastrehearse.envs.base import Task, ToolEnv
 from fastrehearse.eval.harness import HarnessConfig, run_items
 from fastrehearse.eval.results import ItemResult, ResultStore
 from fastrehearse.rollout.config import RolloutConfig
+from fastrehearse.rollout.engine.engine import RolloutEngine
 
 # What `fastrehearse eval` runs with unless told otherwise: real tools, greedy, 12 agent turns per
 # user turn, 256 tokens per turn, 8 episodes decoded together; every other engine knob is
@@ -100,8 +101,6 @@ def eval_engine(model, tokenizer, s: EvalSettings, *, mode: str | None = None, m
     back as an error and graded by the checker). With a test-time rehearsal `policy`
     that keeps a prefix cache, the engine reads it (an item's first prefill is the context its
     first rehearsal already stored)."""
-    from fastrehearse.rollout.engine.engine import RolloutEngine
-
     cfg = replace(s.rollout, mode=mode or s.rollout.mode, measure_fidelity=measure_fidelity,
                   max_episode_tokens=(context_length(model) if s.fit_context
                                       else s.rollout.max_episode_tokens))

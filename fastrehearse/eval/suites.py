@@ -17,7 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from fastrehearse.envs import get_suite
 from fastrehearse.envs.base import Suite, Task, ToolEnv
+from fastrehearse.eval.bfcl_suite import BfclSingleTurnSuite
 
 BFCL_SINGLE = ("simple_python", "multiple", "parallel", "parallel_multiple", "live_simple",
                "live_multiple", "irrelevance", "live_irrelevance")
@@ -36,18 +38,6 @@ class SuiteRun:
     items: list[tuple[str, Task]]
     make_env: Callable[[str], ToolEnv]
     max_turns_for: Callable[[str], int]
-
-
-def _get_suite(name: str, **kw) -> Suite:
-    from fastrehearse import envs
-
-    get = getattr(envs, "get_suite", None)
-    if get is not None:
-        return get(name, **kw)
-    if name == "builtin":        # before the registry landed
-        from fastrehearse.envs.builtin import BuiltinSuite
-        return BuiltinSuite(**kw)
-    raise ImportError(f"fastrehearse.envs has no get_suite() yet: suite {name!r} is unavailable")
 
 
 def _window(tasks_of, limit: int | None, offset: int) -> list[Task]:
@@ -81,7 +71,7 @@ def build(suite: str, categories: list[str] | None, limit: int | None, max_turns
             # ":answer": EASY tasks also require the final answer to state the tool's result (levels
             # 1-3 always check the answer); without it EASY success = the spelled-out call was made.
             opts = {"easy_answer": True} if answer else {}
-            suites[c] = _get_suite("builtin", level=level, tools=tools, **opts)
+            suites[c] = get_suite("builtin", level=level, tools=tools, **opts)
             items += [(c, t) for t in _window(lambda n: suites[c].tasks(split, n), limit, offset)]
     elif suite == "bfcl":
         bad = [c for c in cats if c not in BFCL_SINGLE + BFCL_MULTI]
@@ -91,14 +81,13 @@ def build(suite: str, categories: list[str] | None, limit: int | None, max_turns
         multi = None
         for c in cats:
             if c in BFCL_SINGLE:
-                from fastrehearse.eval.bfcl_suite import BfclSingleTurnSuite
                 suites[c] = BfclSingleTurnSuite()
             else:
-                multi = multi or _get_suite("bfcl")
+                multi = multi or get_suite("bfcl")
                 suites[c] = multi
             items += [(c, t) for t in _window(lambda n: suites[c].tasks(c, n), limit, offset)]
     else:
-        s = _get_suite("tau2")
+        s = get_suite("tau2")
         for c in cats:      # a domain ("telecom") or "<domain>:<split>" ("telecom:test")
             suites[c] = s
             items += [(c, t) for t in _window(lambda n: s.tasks(c, n), limit, offset)]
@@ -116,7 +105,6 @@ def build(suite: str, categories: list[str] | None, limit: int | None, max_turns
 def from_config(cfg, categories: list[str] | None, limit: int | None, max_turns: int, offset: int = 0) -> SuiteRun:
     """The env of a trainer config (`cfg.env`: suite + options) over `categories` (its splits;
     default: env.eval_split)."""
-    from fastrehearse.envs import get_suite
     suite = get_suite(cfg.env.suite, **cfg.env.options)
     cats = list(categories or [cfg.env.eval_split])
     if limit is not None and limit < 0:

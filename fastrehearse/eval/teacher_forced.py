@@ -33,19 +33,27 @@ Writes per-item rows and means; the bench (benchmarks/bench_learning.py) runs it
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
+import re
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from fastrehearse.algo.rewards import echo_equal
+from fastrehearse.envs import get_suite
 from fastrehearse.envs.base import Suite, Task
+from fastrehearse.envs.builtin.expectations import fidelity_by_label
+from fastrehearse.envs.builtin.tasks import NUMBER
 from fastrehearse.envs.replay import exchanges_of, tool_calls_of
 from fastrehearse.kernels.roles import Role
+from fastrehearse.rollout import ChatTemplate, GoldPolicy, RolloutConfig, RolloutEngine
+from fastrehearse.rollout.engine.fidelity import json_fields
 from fastrehearse.rollout.text.gold import gold_replies, render_gold
 
 
@@ -54,9 +62,6 @@ def value_span(tokenizer, ids: list[int], span: tuple[int, int], spec: dict | No
     """The tokens of the answer span that spell the answer's value (builtin answer spec: the number
     within its tolerance, the id / time, the status or location), as [(start, end)]; [] when the
     spec is unknown or the value is not written in the gold answer."""
-    import re
-
-    from fastrehearse.envs.builtin.tasks import NUMBER
     if not spec or "kind" not in spec:
         return []
     s, e = span
@@ -101,9 +106,6 @@ def gold_logprobs(model, tokenizer, suite: Suite, tasks: Sequence[Task], *, temp
     Tasks with the same tools share their rendered prefix (system prompt + tool schemas, ~2/3 of an
     EASY item): it is run once per group and its KV cache reused for the group's suffixes, batched
     and right-padded (causal attention: padding after a row's last token never reaches it)."""
-    import copy
-    from collections import defaultdict
-    from fastrehearse.rollout.text.template import ChatTemplate
     tmpl = template or ChatTemplate(tokenizer)
     device = next(model.parameters()).device
     model.eval()
@@ -183,7 +185,6 @@ def _load(text: str | None) -> Any:
 def fidelity_split(arguments: Any, rehearsed: str | None, real: str, spec: dict | None) -> dict:
     """schema / echo / hidden agreement of one rehearsed response with the real one (module
     docstring); a part that does not apply (no echo field, no hidden leaf) is None."""
-    from fastrehearse.rollout.engine.fidelity import json_fields
     a, b = _load(rehearsed), _load(real)
     if not isinstance(b, (dict, list)):
         same = float(isinstance(rehearsed, str) and rehearsed.strip() == real.strip())
@@ -208,8 +209,6 @@ def rehearsal_fidelity(model, tokenizer, suite: Suite, tasks: Sequence[Task], *,
                        max_episode_tokens: int = 4096, batch_size: int = 32) -> list[dict]:
     """One row per task: the model rehearses the response to the task's first gold call (forced),
     greedily; compared with the real response of that call on a fresh world."""
-    from fastrehearse.rollout import RolloutConfig, RolloutEngine
-    from fastrehearse.rollout.engine.policy import GoldPolicy
     eng = RolloutEngine(model, tokenizer, RolloutConfig(
         mode="rehearse", measure_fidelity=True, temperature=0.0, max_turns=1, max_new_tokens=max_new_tokens,
         max_episode_tokens=max_episode_tokens, max_batch_size=batch_size))
@@ -230,7 +229,6 @@ def rehearsal_fidelity(model, tokenizer, suite: Suite, tasks: Sequence[Task], *,
         for c, r, ex in zip(calls, real, made + [None] * (len(calls) - len(made))):
             parts.append(fidelity_split(c.arguments, ex.content if ex else None, r, suite.response_spec(c.name)))
             if getattr(suite, "name", None) == "builtin":   # the first call: nothing revealed before it
-                from fastrehearse.envs.builtin.expectations import fidelity_by_label
                 lab = fidelity_by_label([], c.name, c.arguments, ex.content if ex else None, r)
                 parts[-1].update(rule_predictable=lab["predictable"], rule_hidden=lab["hidden"])
         for k in ("schema", "echo", "hidden", "rule_predictable", "rule_hidden"):
@@ -278,8 +276,7 @@ def main(argv=None) -> int:
         p.error(f"--n must be >= 1 and --n-rehearsal >= 0, got {a.n} and {a.n_rehearsal}")
     if a.suite != "builtin":
         p.error(f"--suite {a.suite!r}: only the builtin suite has gold final answers to score")
-    from fastrehearse.envs import get_suite
-    from fastrehearse.model.loader import ModelSpecError, load_model
+    from fastrehearse.model.loader import ModelSpecError, load_model   # transformers: after the arguments parse
     try:
         suite = get_suite("builtin", level=a.level, tools=a.tools, easy_answer=True)
         tasks = suite.tasks(a.split, limit=max(a.n, a.n_rehearsal))

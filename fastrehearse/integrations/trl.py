@@ -33,6 +33,9 @@ from .trl_head import (HeadTransform, UnsupportedModelError, head_inputs, head_k
 from .trl_rules import RULES, fused_loss_blocker, settings_table
 from .trl_vllm import sync_weights_by_reload, vllm_on_cpu
 
+# trl (and packaging, which comes with it) is imported in the functions that use it: the
+# kernels-only install imports this module without either (tests/test_kernels_install.py).
+
 __all__ = ["FastGRPOTrainer", "HeadTransform", "RULES", "UnsupportedModelError",  # noqa: F822
            "head_transform", "patch_fused_lm_head", "settings_table", "verify_head"]
 
@@ -107,7 +110,7 @@ def check_trl_version(version: str) -> None:
 
 
 def _grpo_trainer_class():
-    import trl  # the peer is imported only when the adapter is used
+    import trl
     check_trl_version(trl.__version__)
     return trl.GRPOTrainer
 

@@ -17,11 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastrehearse.kernels import linear_logprobs
 from fastrehearse.kernels.roles import Role
 from fastrehearse.packing.batch import PackedBatch
 
 from . import lm_head
-from .attention import ATTN_IMPL
+from .attention import ATTN_IMPL, use_varlen_attention
 from .lm_head import head_module as _head_module
 
 
@@ -159,7 +160,6 @@ def token_logprobs(model: nn.Module, batch: PackedBatch, *, all_tokens: bool = F
     are exactly 0 (they cost no vocabulary projection). The model's head settings (bias, logit
     scale, final soft-cap) are applied as its own forward does (see head_kwargs).
     """
-    from fastrehearse.kernels import linear_logprobs
     head = head_kwargs(model)            # refuses a head the kernels cannot express
     h = hidden_states(model, batch)
     w = _head_module(_unwrap(model)).weight
@@ -185,7 +185,6 @@ class RehearsalModel(nn.Module):
 
     def __init__(self, hf_model: nn.Module, *, activation_checkpointing: bool = False):
         super().__init__()
-        from .attention import use_varlen_attention
         check_lm_head(hf_model)   # refuse an inexpressible head now, not mid-training
         self.model = hf_model
         use_varlen_attention(hf_model)

@@ -30,6 +30,9 @@ import os
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTN_IMPL = "fastrehearse_varlen"
 BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa")
@@ -186,7 +189,6 @@ def _unpacked_forward(module, query, key, value, attention_mask, dropout, scalin
             and not bool((pos[..., 1:] - pos[..., :-1] == 1).all())):
         raise ValueError(f"{ATTN_IMPL}: position_ids restart inside the row (a packed batch) but no "
                          "cu_seq_lens_q was given; use fastrehearse.model.hidden_states(model, batch)")
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, **kwargs)
 
@@ -196,15 +198,12 @@ def varlen_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attent
     no_cache = isinstance(q_offset, int) and q_offset == 0 and kv_offset == 0 and kv_length == q_length
     if attention_mask is None and no_cache:
         return None
-    from transformers.masking_utils import sdpa_mask
     return sdpa_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
                      attention_mask=attention_mask, **kwargs)
 
 
 def register() -> str:
     """Register ATTN_IMPL with transformers (idempotent); returns its name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
     AttentionInterface.register(ATTN_IMPL, varlen_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPL, varlen_mask)
     return ATTN_IMPL

@@ -29,7 +29,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
 
+from .adapter import check_lm_head
 from .attention import ATTN_IMPL, register
 
 EMBEDDED_SPECS = ("smollm2", "embedded")
@@ -179,7 +181,6 @@ def load_model(spec: str | os.PathLike, *, dtype: torch.dtype | str = torch.floa
             model, tok = _load_gguf(path, dtype, cache)
         else:
             model, tok = _load_hf_dir(path, dtype)
-    from .adapter import check_lm_head
     check_lm_head(model)   # a head the kernels cannot express is refused here, not mid-training
     model.set_attn_implementation(ATTN_IMPL)
     model.to(device)
@@ -200,14 +201,12 @@ def safetensors_files(spec: str | os.PathLike) -> list[Path]:
 def load_config_and_tokenizer(spec: str | os.PathLike):
     """(config, tokenizer) of a Hugging Face directory spec, no weights read (sharded loading builds
     the model on meta from the config)."""
-    from transformers import AutoConfig, AutoTokenizer
     check_spec(spec)
     path = Path(str(spec)).expanduser()
     return AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPL)
     tok = AutoTokenizer.from_pretrained(path)
     return model, tok
@@ -237,7 +236,6 @@ def _atomic_save(dest: Path, save_fn) -> None:
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, cache: bool):
-    from transformers import AutoModelForCausalLM
     tok = load_tokenizer(path, cache=cache)
     cached = cache_dir() / "gguf-models" / _gguf_key(path)
     if cache and (cached / "config.json").is_file():
@@ -265,7 +263,6 @@ def _forget_gguf_quantizer(model) -> None:
 
 @functools.lru_cache(maxsize=8)
 def _load_tokenizer_cached(key: str, path: str, cache: bool):
-    from transformers import AutoTokenizer
     cached = cache_dir() / "tokenizers" / key
     if cache and (cached / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(cached)
@@ -300,7 +297,6 @@ def tiny_config(family: str, *, vocab_size: int, hidden_size: int = 64, num_laye
                 initializer_range: float = 0.02, **overrides):
     """A small config of the given family; GQA (num_kv_heads < num_heads) on by default.
     `overrides` go to the HF config unchecked (tests); the trainer passes only TinyModelOptions."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
                   num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                   intermediate_size=intermediate_size or 2 * hidden_size,
@@ -321,7 +317,6 @@ def tiny_config(family: str, *, vocab_size: int, hidden_size: int = 64, num_laye
 def build_tiny_model(family: str, *, vocab_size: int, seed: int = 0, dtype: torch.dtype = torch.float32,
                      **config_kwargs):
     """A randomly initialized tiny model (deterministic in `seed`, global RNG untouched)."""
-    from transformers import AutoModelForCausalLM
     register()
     cfg = tiny_config(family, vocab_size=vocab_size, **config_kwargs)
     with torch.random.fork_rng(devices=[]):

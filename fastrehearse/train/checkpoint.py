@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
 from fastrehearse.dtensor import local_shard
@@ -60,7 +60,7 @@ def numerics(info: DistInfo) -> dict:
     """What decides the summation order of every fp32 sum, so whether a resumed run can repeat an
     uninterrupted one bit for bit: torch's version, the CPU instruction set its kernels dispatch
     to (ATEN_CPU_CAPABILITY), its thread count, the accelerator's name, the world size. Correct
-    under any of them; identical only under the same ones (issue 43)."""
+    under any of them; identical only under the same ones (docs/training.md, "Checkpoints, resume, export")."""
     dev = info.device
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(), "world_size": info.world_size,
@@ -262,5 +262,4 @@ class Checkpointer:
 
 def full_model_state_dict(model) -> dict:
     """Unsharded model state dict on CPU (collective; every rank gets it, fine for export)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

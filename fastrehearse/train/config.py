@@ -23,13 +23,17 @@ import os
 import sys
 import types
 import typing
+from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import yaml
 
 from fastrehearse.algo.rewards import check_task_reward
-from fastrehearse.model.loader import TinyModelOptions
+from fastrehearse.envs import SUITES, is_import_path, suite_class
+from fastrehearse.kernels import check_backend
+from fastrehearse.model.loader import ModelSpecError, TinyModelOptions, check_spec
 from fastrehearse.rollout.backends.vllm_backend import VLLMUnavailable, require_vllm
 
 from .schema import (  # noqa: F401 - the schema's names, imported from here by the trainer and tests
@@ -446,9 +450,6 @@ def validate(cfg: TrainConfig, explicit: set | frozenset = frozenset()) -> Train
         if v is not None and (v < 0 or (v == 0 and key in _POSITIVE)):
             raise ConfigError(f"config key '{key}' must be {'> 0' if key in _POSITIVE else '>= 0'}, got {v}")
     if cfg.model.kernel_backend in ("triton", "triton-fused"):
-        import torch
-
-        from fastrehearse.kernels import check_backend
         on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
         try:   # the kernels' own check (CUDA or TRITON_INTERPRET=1; triton importable), before any work
             check_backend(cfg.model.kernel_backend, torch.device("cpu" if on_cpu else "cuda"))
@@ -508,7 +509,6 @@ def check_model_path(cfg: TrainConfig) -> None:
     load: a local path that does not exist, a directory without config.json or weights, a
     truncated safetensors file, bad tiny-model sizes. Separate from `validate` so GPU presets that
     point at /models/... still load on machines without those weights."""
-    from fastrehearse.model.loader import ModelSpecError, check_spec
     try:
         check_spec(cfg.model.spec, cfg.model.options)
     except ModelSpecError as e:
@@ -519,7 +519,6 @@ def check_env(cfg: TrainConfig) -> None:
     """env.suite exists and env.options are keyword arguments of its constructor (simple types
     checked too), without building the suite (its values are checked when it is built, which the
     trainer also does before loading the model)."""
-    from fastrehearse.envs import SUITES, is_import_path, suite_class
     if cfg.env.suite not in SUITES and not is_import_path(cfg.env.suite):
         close = difflib.get_close_matches(cfg.env.suite, list(SUITES), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
@@ -554,7 +553,6 @@ def check_env(cfg: TrainConfig) -> None:
 
 def check_device(cfg: TrainConfig) -> None:
     if cfg.device == "cuda":
-        import torch
         if not torch.cuda.is_available():
             raise ConfigError("config key 'device' = 'cuda' but CUDA is not available here "
                               "(torch.cuda.is_available() is False); use device=auto or device=cpu")
@@ -585,7 +583,6 @@ def _preset_dirs() -> list[Path]:
     """Where the packaged presets are: the installed `fastrehearse.configs` (package data of a wheel
     or an editable install), else a source checkout's top-level configs/ (run from its root, the
     source folder shadows the installed package and has no `configs` subpackage)."""
-    from importlib import resources
     dirs = []
     try:
         dirs.append(Path(str(resources.files("fastrehearse.configs"))))
@@ -650,7 +647,6 @@ def _env_defaults(cfg: TrainConfig, config_dir: Path | None, explicit: set) -> N
     whose real calls may have side effects (`Suite.costly_calls(options)`: MCP servers unless
     declared free of them) measures no fidelity unless the config asks: fidelity executes every
     rehearsed call for real."""
-    from fastrehearse.envs import suite_class
     try:
         cls = suite_class(cfg.env.suite)
     except (ImportError, ValueError):

@@ -43,8 +43,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from transformers import AutoConfig
 
 from fastrehearse.dtensor import local_shard
 from fastrehearse.kernels import FUSED_WORKSPACE_BYTES_CUDA
@@ -55,6 +59,7 @@ from fastrehearse.model.loader import (EMBEDDED_SPECS, head_dim, load_model, loa
 from .config import ConfigError, TrainConfig
 from .model_init import empty_model
 from .parallelize import DistInfo, decoder_layers, mixed_precision, parallelize
+from .step_time import format_step_time, predict_step_time
 
 GIB = 1 << 30
 CUDA_CONTEXT_BYTES = int(1.5 * GIB)   # assumption: CUDA context + NCCL buffers per rank
@@ -168,7 +173,6 @@ def shipped_architectures() -> dict[str, Path]:
 def resolve_architecture(cfg: TrainConfig, arch: str | None):
     """(HF config, where it came from). model.spec itself when it is on this machine; else `arch`
     (an HF directory or a config.json); else a shipped architecture named like model.spec's folder."""
-    from transformers import AutoConfig
     spec = cfg.model.spec
     if arch is not None:
         p = Path(arch).expanduser()
@@ -229,7 +233,6 @@ def layer_prefill_bytes(config, dtype: torch.dtype = torch.bfloat16) -> float:
 
 @functools.lru_cache(maxsize=8)
 def _probe_layer(config_json: str, dtype: torch.dtype) -> tuple[float, float, float]:
-    from transformers import AutoConfig
     d = json.loads(config_json)
     config = AutoConfig.for_model(d.pop("model_type"), **d)
     config._attn_implementation = "sdpa"
@@ -265,7 +268,6 @@ def _probe_layer(config_json: str, dtype: torch.dtype) -> tuple[float, float, fl
         return sum(seen.values()) / PROBE_TOKENS
     full = saved(run)
     ckpt = saved(lambda h: torch.utils.checkpoint.checkpoint(run, h, use_reentrant=False))
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
     tracker = MemTracker()
     tracker.track_external(layer)
     with torch.no_grad(), tracker:
@@ -377,14 +379,11 @@ def plan(cfg: TrainConfig, world: int, gpu_memory_gib: float = DEFAULT_BUDGET_GI
     add("update", f"AdamW foreach temporaries ({ADAMW_FOREACH_SHARDS} x fp32 shard)", shard * 4 * ADAMW_FOREACH_SHARDS,
         f"shard elements x 4 x {ADAMW_FOREACH_SHARDS} (the factor: torch's foreach AdamW over the DTensor "
         f"shards, MemTracker, smoke model)", "formula", st)
-    from .step_time import predict_step_time
     p.step_time = predict_step_time(cfg, hf_config, world, n_params)
     return p
 
 
 def print_plan(p: Plan) -> None:
-    from rich.console import Console
-    from rich.table import Table
     t = Table(title=f"dry run PLAN (not measured on a GPU): {p.config} at world size {p.world_size}, per rank "
                     f"({p.architecture})")
     for col, just in (("phase", "left"), ("what", "left"), ("GiB", "right"), ("basis", "left"), ("from", "left")):
@@ -412,7 +411,6 @@ def print_plan(p: Plan) -> None:
                 f"(raises the peak by {rb['peak_increase_gib']:.2f} GiB) and a copy of it every step "
                 f"(~{p.step_time.get('rollback_copy_ms', 0):.0f} ms predicted)")
     if p.step_time:
-        from .step_time import format_step_time
         c.print(format_step_time(p.step_time))
 
 

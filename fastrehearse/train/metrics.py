@@ -15,6 +15,10 @@ import os
 import time
 from pathlib import Path
 
+from rich.console import Console
+from rich.table import Table
+from tqdm.auto import tqdm
+
 from .errors import DiskFullError, TrainingError, is_disk_full
 
 PLOTTED = [("reward", "reward (task success)"), ("fidelity", "world-model fidelity"),
@@ -83,8 +87,8 @@ class MetricsLogger:
         for n in notes:
             print(f"[fastrehearse] {n}", flush=True)
         if progress and total_steps > 0:
-            from tqdm.auto import tqdm
             self.bar = tqdm(total=total_steps, desc="train", dynamic_ncols=True)
+        # tensorboard and wandb are optional: imported only when the config asks for them
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -170,6 +174,7 @@ class MetricsLogger:
         self._view("curves.png", self._plot)
 
     def _plot(self) -> None:
+        # matplotlib (~0.3 s) only when a plot is drawn; the Agg backend is chosen before pyplot loads
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -216,8 +221,6 @@ def final_table(summary: dict, out_dir: str | Path | None = None) -> str:
     summary: {"success_before", "success_after", "n_eval", "fidelity_before", "fidelity_after",
               "train_tokens_per_s", "rollout_tokens_per_s", "wall_s", ...}; missing values show "-".
     """
-    from rich.console import Console
-    from rich.table import Table
 
     def fmt(v, pct=False):
         if not _finite(v):

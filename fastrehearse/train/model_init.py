@@ -13,7 +13,7 @@ The reference model (only with a KL term) is built the same way, frozen, in the 
 filled from the policy's own shards. The generation copy (only for a rollout backend that decodes
 with the trainer's weights in process: HF) is built on meta in the serving dtype and filled one
 whole parameter at a time (`sync_generation_model`), the peak being one tensor. A single process
-without a group loads the model whole, as before: there is nothing to shard.
+without a group loads the model whole: there is nothing to shard.
 
 Host memory per rank: O(model / world + one tensor) for HF directories (benchmarks/bench_load_memory.py).
 """

@@ -20,8 +20,11 @@ on another device is refused instead of moved, so a misplaced tensor fails the t
 """
 from __future__ import annotations
 
+import atexit
 import os
+import socket
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,6 +33,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from fastrehearse.dtensor import full_tensor
 
@@ -96,7 +102,6 @@ def check_multinode_network(env: dict | None = None, resolve=None, hostname=None
     GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME names the interface: gloo (and NCCL's bootstrap) would
     bind to the hostname's address and the nodes could not reach each other -- a hang at the first
     collective, not an error. All ranks on one machine (the loopback tests) are exempt."""
-    import socket
     env = os.environ if env is None else env
     world = int(env.get("WORLD_SIZE", "1"))
     local = int(env.get("LOCAL_WORLD_SIZE", str(world)))
@@ -148,13 +153,11 @@ def init_distributed(device_pref: str = "auto", timeout_s: float | None = None) 
         kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
         dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None,
                                 **kw)
-    from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     return DistInfo(rank, world, local_rank, device, backend, mesh)
 
 
 def _free_port() -> int:
-    import socket
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -184,8 +187,6 @@ def exit_worker(rc: int) -> int:
     Python's normal exit (its traceback and code are the report)."""
     if not launched_by_torchrun():
         return rc
-    import atexit
-    import threading
     for t in threading.enumerate():
         if t is not threading.main_thread() and not t.daemon:
             t.join()
@@ -201,7 +202,6 @@ def exit_worker(rc: int) -> int:
 def mixed_precision(precision: str, device: torch.device):
     """bf16 compute params with fp32 gradient reduction on CUDA; fp32 on CPU (bf16 GEMMs are
     slow on CPU and the Triton interpreter mis-computes bf16 dots)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
     use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
     # cast_forward_inputs=False: the forward's input is a PackedBatch whose advantages / old
     # log-probs must stay fp32 (the module casts its own activations).
@@ -231,8 +231,6 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     if hasattr(model, "enable_activation_checkpointing"):   # fastrehearse.model.RehearsalModel
         model.enable_activation_checkpointing()
         return
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl, checkpoint_wrapper)
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
@@ -250,7 +248,6 @@ def parallelize(model: nn.Module, info: DistInfo, *, precision: str = "auto",
         apply_activation_checkpointing(model)
     if not info.sharded:
         return model.to(info.device)
-    from torch.distributed.fsdp import FSDPModule, fully_shard
     if not any(p.is_meta for p in model.parameters()):   # a model built on meta is sharded there
         model.to(info.device)                            # and allocated by to_empty() after
     mp = mixed_precision(precision, info.device)

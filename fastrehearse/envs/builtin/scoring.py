@@ -11,9 +11,9 @@ check in payload["checks"] passes, else 0.0:
   answer  the final assistant message contains the answer (numbers within tolerance, ids as a whole
           word, a status/location naming exactly the right option). A final message that pastes one
           of the episode's tool responses back (its text verbatim, or a JSON object equal to it) is
-          not an answer and fails in every mode: until 2026-12-06 such a paste passed when the value
-          was a word in it (`{"status":"shipped"}`) and failed when it was a number after a colon,
-          and the calls-only control of docs/learning.md learned to answer that way.
+          not an answer and fails in every mode, whatever the pasted value is: a check that passed a
+          word in it (`{"status":"shipped"}`) and failed a number after a colon would reward pasting,
+          and a policy learns to (the calls-only control of docs/learning.md did).
 
 `calls`: the same without the answer check (the rehearse-calls reward of docs/learning.md).
 

@@ -11,15 +11,17 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from fastrehearse.envs.base import ResetResult, Suite, Task, ToolCall, ToolEnv, ToolResult, Trajectory
-from fastrehearse.envs.builtin import scoring
+from fastrehearse.envs.builtin import expectations, scoring
 from fastrehearse.envs.builtin.tasks import RULES_LEVEL, TEMPLATES, generate
 from fastrehearse.envs.builtin.tools import DOMAINS, RESPONSES, SCHEMAS, dumps, execute
 from fastrehearse.envs.builtin.world import make_world
+from fastrehearse.envs.replay import exchanges_of
+from fastrehearse.envs.scramble import ScrambleEnv
 
 SYSTEM_PROMPT = ("You are a helpful assistant with access to tools. Use the tools to look up what you "
                  "need or to make changes; then reply to the user with a short final answer.")
-# "rules" (level 4) is the family whose responses follow documented rules (tasks.py); "all" keeps
-# its levels 0-3 so runs that named it see the same tasks as before.
+# "rules" (level 4) is the family whose responses follow documented rules (tasks.py); "all" is
+# levels 0-3 without it, so a config or a result that names "all" always means the same task set.
 LEVEL_PRESETS = {"easy": (0,), "mixed": (1, 2, 3), "all": (0, 1, 2, 3), "hard": (3,), "rules": (4,)}
 TOOL_MODES = ("auto", "task", "domain", "all")
 SPLITS = ("train", "test")
@@ -92,9 +94,7 @@ class BuiltinEnv(ToolEnv):
     def fidelity_by_label(self, messages: list[dict], call: ToolCall, rehearsed: str, real: str) -> dict:
         """Rehearsal fidelity on the predictable and the hidden fields of `real`, given the
         episode's messages before the call (envs/builtin/rules.py)."""
-        from fastrehearse.envs.builtin.expectations import fidelity_by_label
-        from fastrehearse.envs.replay import exchanges_of
-        return fidelity_by_label(exchanges_of(messages), call.name, call.arguments, rehearsed, real)
+        return expectations.fidelity_by_label(exchanges_of(messages), call.name, call.arguments, rehearsed, real)
 
 
 class BuiltinSuite(Suite):
@@ -169,7 +169,6 @@ class BuiltinSuite(Suite):
 
     def make_env(self) -> ToolEnv:
         if self.scramble:
-            from fastrehearse.envs.scramble import ScrambleEnv
             return ScrambleEnv(BuiltinEnv(), seed=self.seed)
         return BuiltinEnv()
 

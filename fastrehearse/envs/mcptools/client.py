@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 MARKER = "FASTREHEARSE_MCP_SERVER_ID"   # set in each server's environment to find its pid
 # The watchdog script: stdlib + psutil, run by path (it imports nothing of ours).
 WATCHDOG = Path(__file__).resolve().with_name("watchdog.py")
@@ -254,6 +256,8 @@ class Server:
         await ready
 
     async def _serve(self, marker: str, ready: asyncio.Future) -> None:
+        # The MCP SDK (about 0.5 s to import) is imported here and in list_tools, where a server is
+        # talked to: loading the suite (config checks, --help) does not pay for it.
         from mcp import ClientSession, StdioServerParameters, stdio_client
         errlog = open(self.log, "a") if self.log else open(os.devnull, "w")
         if self.url:
@@ -364,7 +368,6 @@ class Server:
         if self.url or self.pid is None:
             return self.session is None
         try:
-            import psutil
             p = psutil.Process(self.pid)
             return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
         except Exception:  # noqa: BLE001 - psutil.NoSuchProcess and friends
@@ -381,7 +384,6 @@ def _leaves(group: BaseException):
 
 def _child_with_marker(marker: str) -> int | None:
     """The pid of this process's child started with MARKER=marker in its environment."""
-    import psutil
     for c in psutil.Process().children():
         try:
             if c.environ().get(MARKER) == marker:
@@ -393,7 +395,6 @@ def _child_with_marker(marker: str) -> int | None:
 
 def _kill_if_alive(pid: int) -> None:
     """After a graceful stop the process is gone; a straggler (and its children) is killed."""
-    import psutil
     try:
         p = psutil.Process(pid)
         if p.environ().get(MARKER) is None:   # a reused pid: not ours

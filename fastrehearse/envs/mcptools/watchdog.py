@@ -23,8 +23,8 @@ the pid and not waiting for EOF on the pipe: a child forked by the owner inherit
 end, so EOF would only come once that child is gone. psutil's process identity includes the start
 time, so a reused pid is never mistaken for the owner or a server.
 
-(It was first written for vLLM's engine processes; the vLLM backend now runs its engine inside the
-trainer's process, so nothing of vLLM can be orphaned.)
+(The vLLM backend needs no watchdog: it runs its engine inside the trainer's process, so nothing of
+vLLM can be orphaned.)
 
 Run by file path with `python -I` (no script-directory import path, no package import): stdlib and
 psutil only, a few MB, started in its own session so a signal sent to the owner's process group does
