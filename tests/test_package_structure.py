@@ -30,13 +30,15 @@ def test_the_check_finds_a_private_import(tmp_path):
 
 
 def _module_graph() -> dict[str, set[str]]:
-    """module -> the package modules it imports (module level, TYPE_CHECKING blocks and
+    """module -> the package modules it imports, kernels included (module level, TYPE_CHECKING blocks and
     function-local imports alike: a cycle hidden by any of them is still a cycle). `from pkg import
     name` points at pkg.name when that is a module, else at pkg itself."""
     mods = {}
-    for p in (ROOT / "fastrehearse").rglob("*.py"):
-        parts = p.relative_to(ROOT).with_suffix("").parts
-        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    # kernels/ is installed as fastrehearse.kernels (setup.py's package_dir): one package, one graph
+    for root, name in ((ROOT / "fastrehearse", ("fastrehearse",)), (ROOT / "kernels", ("fastrehearse", "kernels"))):
+        for p in root.rglob("*.py"):
+            parts = name + p.relative_to(root).with_suffix("").parts
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
     graph = {m: set() for m in mods}
     for m, p in mods.items():
         pkg = m.split(".") if p.name == "__init__.py" else m.split(".")[:-1]
