@@ -558,9 +558,11 @@ def pilot_signal(a, cfg, failures: list) -> int:
 
     def run(name: str, arm: str, sets: list[str]) -> dict | None:
         d = root / name
+        # checkpoint.every=1: one RL step at 8 x 8 episodes takes longer than a CPU session can
+        # hold (docs/learning.md, v4 pilot), so a run interrupted after its first step resumes there
         job = {"run_dir": d, "total_steps": 2, "evals": [],
                "train": train_cmd(a, d, [f"model.spec={warm / 'export'}", "seed=0", "sft.steps=0", "steps=2",
-                                         *ARM_SETS[arm], *sets])}
+                                         "checkpoint.every=1", *ARM_SETS[arm], *sets])}
         rows = _rl_rows(d)
         if len(rows) != 2:   # finished runs are read, not rerun
             train_then_eval(a, job, failures)

@@ -590,6 +590,7 @@ def test_v4_pilot_signal_doubles_the_group_and_projects_the_cost(tmp_path, monke
     assert f"model.spec={tmp_path}/W16/export" in cmd["Ca-g16"] and "rollout.group_size=16" in cmd["Ca-g16"]
     assert "env.reward=consistent" in cmd["Ca-g16"] and "env.reward=real" in cmd["R-g16"]
     assert "rollout.backend=vllm" in cmd["Ca-g16-vllm"] and "rollout.backend" not in cmd["Ca-g16"]
+    assert all("checkpoint.every=1" in c for c in cmd.values())   # a resumed run keeps its first step
     rec = json.loads((tmp_path / "pilot_signal.json").read_text())
     assert rec["group_size"] == 16 and rec["step_s"] == {"hf": 600.0, "vllm": 300.0}
     assert rec["projection_h"]["rl_steps_only"] == pytest.approx(26 * 24 * 300 / 3600) and not rec["fits_budget_16h"]
