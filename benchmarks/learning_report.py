@@ -346,15 +346,16 @@ def same_warmup(prior_warm: dict, items: dict, sha: str | None, metrics: dict = 
     return None
 
 
-# ---- the report --------------------------------------------------------------------------------
-def report(a, cfg, pl: dict, failures: list, wall_s: float | None, est: dict, priors: dict | None = None) -> dict:
-    """`priors`: the runs kept from --prior (bench_learning.main: planned, in an earlier report, no
-    finished run dir here), each used when its warm-up is this one, else listed as missing."""
+def read_arms(a, pl: dict, read, metrics: dict, priors: dict | None,
+              extra=lambda run_dir: {}) -> tuple[dict, dict, str | None, list[str]]:
+    """(arms, warm-up items, warm-up weights sha256, missing) of a plan, any design: every planned
+    arm and seed read from its own run dir by `read(run_dir) -> (items, missing)` (a run whose
+    weights equal the warm-up's is read from the warm-up), or kept from --prior when its warm-up is
+    this one; `metrics` the design's {key: (label, kind)}; `extra(run_dir)` adds design-specific
+    per-seed fields."""
     from bench_learning import ARM_NAMES, ARM_SETS, _sha_of, same_as_warmup, shell
-    pk = plan_of(a, cfg)
-    cats = pk["categories"]
     warm = pl["warmup"]["run_dir"]
-    w_items, missing = read_checkpoint(a, cfg, warm, cats)
+    w_items, missing = read(warm)
     w_sha = _sha_of(warm / "export") if list((warm / "export").glob("*.safetensors")) else None
     priors = priors or {}
     arms = {}
@@ -365,7 +366,7 @@ def report(a, cfg, pl: dict, failures: list, wall_s: float | None, est: dict, pr
             d = job["run_dir"]
             prior = priors.get((arm, seed))
             if prior is not None:
-                why = same_warmup(prior["warmup"], w_items, w_sha)
+                why = same_warmup(prior["warmup"], w_items, w_sha, metrics)
                 if why:
                     missing.append(f"{arm}-s{seed}: kept in {prior['source']} but not usable: {why}")
                 else:
@@ -373,19 +374,31 @@ def report(a, cfg, pl: dict, failures: list, wall_s: float | None, est: dict, pr
                                         "kept_from": prior["record"].get("kept_from") or f"{prior['source']} ({prior['time']})"}
                 continue
             shared = same_as_warmup(d, warm) if (d / "export").exists() else None
-            items, miss = read_checkpoint(a, cfg, warm if shared else d, cats)
+            items, miss = read(warm if shared else d)
             missing += miss
             cv = curves(d)
             seeds[str(seed)] = {"run_dir": str(d), "items": items,
                                 "metrics": {k: _mean(v) for k, v in items.items()},
                                 "weights_same_as_warmup": shared,
                                 "weight_change": weight_change(d / "export", warm / "export"),
-                                "curves": cv, "signal": training_signal(cv),
+                                "curves": cv, "signal": training_signal(cv), **extra(d),
                                 "train_command": shell(job["train"], a.threads),
                                 "eval_commands": [shell(c, a.threads) for _, _, c in job["evals"]]}
-        summ = {k: summary([s["metrics"][k] for s in seeds.values()]) for k in METRICS}
+        summ = {k: summary([s["metrics"][k] for s in seeds.values()]) for k in metrics}
         summ["weight_change"] = summary([s["weight_change"] for s in seeds.values()])
         arms[arm] = {"name": ARM_NAMES[arm], "sets": ARM_SETS[arm], "seeds": seeds, "summary": summ}
+    return arms, w_items, w_sha, missing
+
+
+# ---- the report --------------------------------------------------------------------------------
+def report(a, cfg, pl: dict, failures: list, wall_s: float | None, est: dict, priors: dict | None = None) -> dict:
+    """`priors`: the runs kept from --prior (bench_learning.main: planned, in an earlier report, no
+    finished run dir here), each used when its warm-up is this one, else listed as missing."""
+    from bench_learning import shell
+    pk = plan_of(a, cfg)
+    cats = pk["categories"]
+    warm = pl["warmup"]["run_dir"]
+    arms, w_items, w_sha, missing = read_arms(a, pl, lambda d: read_checkpoint(a, cfg, d, cats), METRICS, priors)
     contrasts = {"primary": [c for c in (contrast(arms, *x) for x in PRIMARY) if c],
                  "secondary": [c for c in (contrast(arms, *x) for x in SECONDARY) if c],
                  "answer_seen_all_pairs": [c for c in (contrast(arms, x, y, "answer_seen")
@@ -410,7 +423,7 @@ def report(a, cfg, pl: dict, failures: list, wall_s: float | None, est: dict, pr
         "wall_s_this_invocation": wall_s,
         "plan": {"arms": a.arms, "seeds": a.seeds, **{k: pk[k] for k in PLAN_KEYS}, "estimate": est},
         "metrics": {k: v[0] for k, v in METRICS.items()},
-        "prior": sorted({p["source"] for p in priors.values()}),
+        "prior": sorted({p["source"] for p in (priors or {}).values()}),
         "warmup": {"run_dir": str(warm), "weights_sha256": w_sha, "items": w_items, "metrics": {k: _mean(v) for k, v in w_items.items()},
                    "train_command": shell(pl["warmup"]["train"], a.threads),
                    "eval_commands": [shell(c, a.threads) for _, _, c in pl["warmup"]["evals"]]},

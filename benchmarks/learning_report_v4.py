@@ -20,8 +20,7 @@ from pathlib import Path
 
 import learning_stats as ls
 from _common import hardware
-from learning_report import (_items, _mean, curves, md_tail, same_warmup, summary, training_signal, v4_decision,
-                             weight_change)
+from learning_report import _items, _mean, md_tail, read_arms, v4_decision
 from learning_report import write_outputs as lr_write_outputs
 
 V4_METRICS = {   # key -> (label, kind)
@@ -107,42 +106,14 @@ def report_v4(a, cfg, pl: dict, failures: list, wall_s: float | None, pilot: dic
     """The v4 report of the plan `pl` (bench_learning.plan) from the run dirs; `pilot`: the pilot's
     record (benchmarks/results/learning_v4_smollm2_pilot.json) or None; `priors`: runs kept from
     --prior, used when their warm-up is this one."""
-    from bench_learning import ARM_NAMES, ARM_SETS, V4, _sha_of, categories, same_as_warmup, shell
+    from bench_learning import V4, categories, shell
     from learning_report import plan_of
     cats = categories(a, cfg)
     n_mixed = a.n_eval if a.tiny else V4["n_mixed"]
     read = lambda d: read_v4_checkpoint(d, cats, a.n_eval, n_mixed, a.n_rehearsal)  # noqa: E731
     warm = pl["warmup"]["run_dir"]
-    w_items, missing = read(warm)
-    w_sha = _sha_of(warm / "export") if list((warm / "export").glob("*.safetensors")) else None
-    priors = priors or {}
-    arms = {}
-    for arm in a.arms:
-        seeds = {}
-        for seed in range(a.seeds[arm]):
-            job = pl["runs"][(arm, seed)]
-            d = job["run_dir"]
-            prior = priors.get((arm, seed))
-            if prior is not None:
-                why = same_warmup(prior["warmup"], w_items, w_sha, V4_METRICS)
-                if why:
-                    missing.append(f"{arm}-s{seed}: kept in {prior['source']} but not usable: {why}")
-                else:
-                    seeds[str(seed)] = {**prior["record"],
-                                        "kept_from": prior["record"].get("kept_from") or f"{prior['source']} ({prior['time']})"}
-                continue
-            shared = same_as_warmup(d, warm) if (d / "export").exists() else None
-            items, miss = read(warm if shared else d)
-            missing += miss
-            cv = curves(d)
-            seeds[str(seed)] = {"run_dir": str(d), "items": items, "metrics": {k: _mean(v) for k, v in items.items()},
-                                "weights_same_as_warmup": shared,
-                                "weight_change": weight_change(d / "export", warm / "export"),
-                                "curves": cv, "signal": training_signal(cv), "kept_frac": _kept_frac(d),
-                                "train_command": shell(job["train"], a.threads),
-                                "eval_commands": [shell(c, a.threads) for _, _, c in job["evals"]]}
-        summ = {k: summary([s["metrics"][k] for s in seeds.values()]) for k in V4_METRICS}
-        arms[arm] = {"name": ARM_NAMES[arm], "sets": ARM_SETS[arm], "seeds": seeds, "summary": summ}
+    arms, w_items, w_sha, missing = read_arms(a, pl, read, V4_METRICS, priors,
+                                              extra=lambda d: {"kept_frac": _kept_frac(d)})
     primary = {arm: [s["metrics"]["primary"] for s in r["seeds"].values() if s["metrics"].get("primary") is not None]
                for arm, r in arms.items()}
     short_items = {arm: a.seeds[arm] - len(v) for arm, v in primary.items() if len(v) < a.seeds[arm]}
@@ -185,7 +156,7 @@ def report_v4(a, cfg, pl: dict, failures: list, wall_s: float | None, pilot: dic
         "mixed_vs_warmup": {arm: (None if r["summary"]["mixed"]["mean"] is None or w_items["mixed"] == {}
                                   else r["summary"]["mixed"]["mean"] - _mean(w_items["mixed"]))
                             for arm, r in arms.items()},
-        "prior": sorted({p["source"] for p in priors.values()}),
+        "prior": sorted({p["source"] for p in (priors or {}).values()}),
         "missing": missing, "failures": failures,
     }
 
