@@ -31,13 +31,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _output import add_output_args, output_path  # noqa: E402
 
 
-def load_old_kernels(rev: str, into: Path):
-    """`kernels/` at `rev` as the package `kernels_<rev>` (relative imports keep it self-contained)."""
-    name = "kernels_" + "".join(c for c in rev if c.isalnum())
-    data = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "kernels"], check=True,
+def export_rev(rev: str, into: Path, *paths: str) -> Path:
+    """The tree at `rev` (or only `paths` of it) extracted under `into` with `git archive`."""
+    data = subprocess.run(["git", "-C", str(ROOT), "archive", rev, *paths], check=True,
                           capture_output=True).stdout
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(into, filter="data")
+    return into
+
+
+def load_old_kernels(rev: str, into: Path):
+    """`kernels/` at `rev` as the package `kernels_<rev>` (relative imports keep it self-contained)."""
+    name = "kernels_" + "".join(c for c in rev if c.isalnum())
+    export_rev(rev, into, "kernels")
     (into / "kernels").rename(into / name)
     sys.path.insert(0, str(into))
     return importlib.import_module(name)

@@ -12,13 +12,11 @@ same weights and episodes give the same loss up to summation order).
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 
@@ -28,13 +26,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _output import add_output_args, output_path  # noqa: E402
-
-
-def export_rev(rev: str, into: Path) -> Path:
-    data = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(into, filter="data")
-    return into
+from bench_kernel_revs import export_rev  # noqa: E402
 
 
 def run_once(tree: Path, out: Path, threads: int, episodes: int) -> dict:
